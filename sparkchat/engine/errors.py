@@ -15,3 +15,7 @@ class ContextOverflowError(SparkchatError):
 
 class TemplateError(SparkchatError):
     """A chat template that fails to render."""
+
+
+class DownloadError(SparkchatError):
+    """A model download or local model cache operation that failed (network, auth, disk, corrupt file)."""

@@ -1,0 +1,178 @@
+"""Safetensors → LingModel. Checkpoint names are translated here and nowhere else.
+
+Three weight forms: plain (BF16/FP16/FP32); the fp4 release (FP8 e4m3 + 128×128 block scales for the
+non-expert linears, MXFP4 routed experts); and plain experts quantized to MXFP4 while loading, one
+expert at a time, so the BF16 release fits in memory. Tensors go straight to the target device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from sparkchat.engine.checkpoint import CheckpointReader
+from sparkchat.engine.config import ModelConfig
+from sparkchat.engine.errors import ModelError
+from sparkchat.engine.model import LingModel
+from sparkchat.engine.nn.kda import KimiDeltaAttention
+from sparkchat.engine.nn.linear import Linear
+from sparkchat.engine.nn.mla import MultiLatentAttention
+from sparkchat.engine.nn.moe import MLP, Experts, MoE
+
+Progress = Callable[[int, int], None]  # (layers done, layers total)
+
+_FP8_DTYPES = {"F8_E4M3"}
+_MXFP4_DTYPES = {"U8", "I8"}
+
+
+class _Loader:
+    def __init__(self, reader: CheckpointReader, cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
+                 quantize_experts: bool) -> None:
+        self.r, self.cfg, self.device, self.dtype = reader, cfg, device, dtype
+        self.quantize_experts = quantize_experts
+        q = cfg.quantization
+        self.block = tuple(q.weight_block_size) if q else (128, 128)
+
+    def plain(self, name: str, shape: tuple[int, ...], dtype: torch.dtype | None = None) -> torch.Tensor:
+        return self.r.get(name, shape).to(dtype or self.dtype)
+
+    def param(self, p: torch.nn.Parameter, name: str, fp32: bool = False) -> None:
+        p.data = self.plain(name, tuple(p.shape), torch.float32 if fp32 else self.dtype)
+
+    def linear(self, lin: Linear, prefix: str) -> None:
+        name = f"{prefix}.weight"
+        info = self.r.info(name)
+        shape = (lin.out_features, lin.in_features)
+        if info.dtype in _FP8_DTYPES:
+            w = self.r.get(name, shape)
+            scale = self._block_scale(f"{prefix}.weight_scale_inv", shape)
+            lin.set_weight(w, scale, self.block)
+        else:
+            lin.set_weight(self.plain(name, shape))
+
+    def _block_scale(self, name: str, shape: tuple[int, int]) -> torch.Tensor:
+        b0, b1 = self.block
+        grid = (-(-shape[0] // b0), -(-shape[1] // b1))
+        s = self.r.get(name, grid)
+        if s.dtype == torch.uint8:  # E8M0 exponents
+            from sparkchat.engine.quant import e8m0_to_float
+
+            return e8m0_to_float(s)
+        return s.float()
+
+    def norm(self, norm: torch.nn.Module, name: str) -> None:
+        self.param(norm.weight, name)
+
+    def kda(self, a: KimiDeltaAttention, p: str) -> None:
+        for proj in ("q_proj", "k_proj", "v_proj", "f_proj", "g_proj", "b_proj"):
+            self.linear(getattr(a, proj), f"{p}.{proj}")
+        self.linear(a.o_proj, f"{p}.o_proj" if f"{p}.o_proj.weight" in self.r else f"{p}.dense")
+        D, K = a.heads * a.head_dim, a.conv_size
+        if f"{p}.conv1d.weight" in self.r:
+            a.conv_weight.data = self.plain(f"{p}.conv1d.weight", (3 * D, 1, K), torch.float32).view(3 * D, K)
+        else:
+            a.conv_weight.data = torch.cat(
+                [self.plain(f"{p}.{n}_conv1d.weight", (D, 1, K), torch.float32).view(D, K) for n in "qkv"])
+        self.param(a.A_log, f"{p}.A_log", fp32=True)
+        self.param(a.dt_bias, f"{p}.dt_bias", fp32=True)
+        self.param(a.o_norm_weight, f"{p}.o_norm.weight")
+
+    def mla(self, a: MultiLatentAttention, p: str) -> None:
+        for proj in ("q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "dense", "g_proj"):
+            self.linear(getattr(a, proj), f"{p}.{proj}")
+        self.norm(a.kv_a_layernorm, f"{p}.kv_a_layernorm.weight")
+
+    def mlp(self, m: MLP, p: str) -> None:
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            self.linear(getattr(m, proj), f"{p}.{proj}")
+
+    def moe(self, m: MoE, p: str) -> None:
+        self.param(m.gate.weight, f"{p}.gate.weight", fp32=True)
+        self.param(m.gate.expert_bias, f"{p}.gate.expert_bias", fp32=True)
+        self.experts(m.experts, f"{p}.experts")
+        if m.shared_experts is not None:
+            self.mlp(m.shared_experts, f"{p}.shared_experts")
+
+    def experts(self, ex: Experts, p: str) -> None:
+        E, H, I = ex.num_experts, ex.hidden, ex.inter
+        mxfp4_ckpt = self.r.info(f"{p}.0.gate_proj.weight").dtype in _MXFP4_DTYPES
+        if mxfp4_ckpt or self.quantize_experts:
+            ex.w13 = torch.empty(E, 2 * I, H // 2, dtype=torch.uint8, device=self.device)
+            ex.w13_scale = torch.empty(E, 2 * I, H // 32, dtype=torch.uint8, device=self.device)
+            ex.w2 = torch.empty(E, H, I // 2, dtype=torch.uint8, device=self.device)
+            ex.w2_scale = torch.empty(E, H, I // 32, dtype=torch.uint8, device=self.device)
+        else:
+            ex.w13 = torch.empty(E, 2 * I, H, dtype=self.dtype, device=self.device)
+            ex.w2 = torch.empty(E, H, I, dtype=self.dtype, device=self.device)
+        for e in range(E):
+            rows = {"gate_proj": slice(0, I), "up_proj": slice(I, 2 * I)}
+            for proj, shape, dst, dst_scale, sl in (
+                ("gate_proj", (I, H), ex.w13, ex.w13_scale, rows["gate_proj"]),
+                ("up_proj", (I, H), ex.w13, ex.w13_scale, rows["up_proj"]),
+                ("down_proj", (H, I), ex.w2, ex.w2_scale, slice(0, H)),
+            ):
+                name = f"{p}.{e}.{proj}"
+                if mxfp4_ckpt:
+                    dst[e, sl] = self.r.get(f"{name}.weight", (shape[0], shape[1] // 2)).view(torch.uint8)
+                    dst_scale[e, sl] = self._expert_scale(name, (shape[0], shape[1] // 32))
+                elif self.quantize_experts:
+                    from sparkchat.engine.quant import quant_mxfp4
+
+                    blocks, scales = quant_mxfp4(self.r.get(f"{name}.weight", shape).to(self.device))
+                    dst[e, sl], dst_scale[e, sl] = blocks, scales
+                else:
+                    dst[e, sl] = self.plain(f"{name}.weight", shape)
+
+    def _expert_scale(self, name: str, shape: tuple[int, int]) -> torch.Tensor:
+        key = f"{name}.weight_scale_inv" if f"{name}.weight_scale_inv" in self.r else f"{name}.weight_scale"
+        return self.r.get(key, shape).view(torch.uint8)
+
+
+def _check_expert_dims(cfg: ModelConfig) -> None:
+    if cfg.hidden_size % 32 or cfg.moe_intermediate_size % 32:
+        raise ModelError("MXFP4 experts need hidden_size and moe_intermediate_size divisible by 32")
+
+
+def load_model(model_dir: str | Path, cfg: ModelConfig, device: torch.device | str = "cpu",
+               dtype: torch.dtype = torch.float32, max_context: int = 4096,
+               quantize_experts: bool = False, progress: Progress | None = None) -> LingModel:
+    """Build the model and fill it from the checkpoint, tensor by tensor, on `device`.
+
+    If the config promises an MTP layer that the checkpoint lacks, the model loads without one
+    (speculative decoding then reports itself unavailable).
+    """
+    device = torch.device(device)
+    reader = CheckpointReader(model_dir, device)
+    if quantize_experts:
+        _check_expert_dims(cfg)
+    mtp_prefix = f"model.layers.{cfg.num_hidden_layers}"
+    if cfg.has_mtp and f"{mtp_prefix}.eh_proj.weight" not in reader:
+        cfg.num_nextn_predict_layers = 0
+    model = LingModel(cfg, max_context, device)
+    ld = _Loader(reader, cfg, device, dtype, quantize_experts)
+    H, V = cfg.hidden_size, cfg.vocab_size
+    model.embed = ld.plain("model.word_embeddings.weight", (V, H))
+    total = cfg.num_hidden_layers + (1 if model.mtp else 0)
+    for layer in model.layers:
+        p = f"model.layers.{layer.idx}"
+        ld.norm(layer.input_layernorm, f"{p}.input_layernorm.weight")
+        ld.norm(layer.post_attention_layernorm, f"{p}.post_attention_layernorm.weight")
+        (ld.mla if layer.is_mla else ld.kda)(layer.attention, f"{p}.attention")
+        (ld.moe if isinstance(layer.mlp, MoE) else ld.mlp)(layer.mlp, f"{p}.mlp")
+        if progress:
+            progress(layer.idx + 1, total)
+    ld.norm(model.norm, "model.norm.weight")
+    model.lm_head.weight = ld.plain("lm_head.weight", (V, H))
+    if model.mtp is not None:
+        m, p = model.mtp, mtp_prefix
+        for n in ("enorm", "hnorm", "input_layernorm", "post_attention_layernorm", "final_layernorm"):
+            ld.norm(getattr(m, n), f"{p}.{n}.weight")
+        ld.linear(m.eh_proj, f"{p}.eh_proj")
+        ld.mla(m.attention, f"{p}.attention")
+        ld.moe(m.mlp, f"{p}.mlp")
+        if progress:
+            progress(total, total)
+    reader.close()
+    return model.to(device)

@@ -1,0 +1,158 @@
+"""Ling-3.0-flash: embedding → 42 decoder layers (KDA or gated MLA, then dense MLP or MoE) → norm →
+lm_head, plus the MTP (NextN) layer that drafts tokens for speculative decoding.
+
+Batch size is always 1: activations are [T, H] for T new tokens at positions start..start+T-1.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from sparkchat.engine.config import ModelConfig
+from sparkchat.engine.nn.kda import KDASteps, KimiDeltaAttention
+from sparkchat.engine.nn.linear import Linear
+from sparkchat.engine.nn.mla import MLACache, MultiLatentAttention
+from sparkchat.engine.nn.moe import MLP, MoE
+from sparkchat.engine.nn.norm import RMSNorm
+from sparkchat.engine.nn.rope import RotaryEmbedding
+from sparkchat.engine.state import ConversationState
+
+# Prompts at least this long prefill KDA in chunked form; shorter steps run the recurrence.
+CHUNKED_PREFILL_MIN_TOKENS = 16
+
+
+def _mla(cfg: ModelConfig) -> MultiLatentAttention:
+    return MultiLatentAttention(cfg.hidden_size, cfg.num_attention_heads, cfg.qk_nope_head_dim,
+                                cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank, cfg.rms_norm_eps)
+
+
+def _moe(cfg: ModelConfig, limit: float, shared_limit: float) -> MoE:
+    return MoE(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok,
+               cfg.n_group, cfg.topk_group, cfg.routed_scaling_factor, cfg.norm_topk_prob,
+               cfg.num_shared_experts, limit, shared_limit)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, idx: int) -> None:
+        super().__init__()
+        self.idx = idx
+        self.is_mla = cfg.layer_types[idx] == "full_attention"
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if self.is_mla:
+            self.attention = _mla(cfg)
+        else:
+            self.attention = KimiDeltaAttention(cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim,
+                                                cfg.short_conv_kernel_size, cfg.kda_safe_gate,
+                                                cfg.kda_lower_bound, cfg.rms_norm_eps)
+        if cfg.mlp_layer_types[idx] == "dense":
+            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+        else:
+            self.mlp = _moe(cfg, cfg.expert_swiglu_limit_list[idx], cfg.share_expert_swiglu_limit_list[idx])
+
+    def forward(self, x: torch.Tensor, start: int, state: ConversationState, rotary: RotaryEmbedding,
+                keep_steps: bool) -> tuple[torch.Tensor, KDASteps | None]:
+        h = self.input_layernorm(x)
+        steps = None
+        if self.is_mla:
+            h = self.attention(h, start, state.mla[self.idx], rotary, absorbed=x.shape[0] <= 8)
+        else:
+            chunked = x.shape[0] >= CHUNKED_PREFILL_MIN_TOKENS
+            h, steps = self.attention(h, state.kda[self.idx], keep_steps=keep_steps, chunked=chunked)
+        x = x + h
+        return x + self.mlp(self.post_attention_layernorm(x)), steps
+
+
+class MTPLayer(nn.Module):
+    """The NextN layer: h' = eh_proj([enorm(embed(next token)); hnorm(h)]) → MLA → MoE → final_layernorm.
+
+    It has no embedding or head of its own: the caller passes the main model's embedding and head.
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        H = cfg.hidden_size
+        self.enorm, self.hnorm = RMSNorm(H, cfg.rms_norm_eps), RMSNorm(H, cfg.rms_norm_eps)
+        self.eh_proj = Linear(2 * H, H)
+        self.input_layernorm = RMSNorm(H, cfg.rms_norm_eps)
+        self.attention = _mla(cfg)
+        self.post_attention_layernorm = RMSNorm(H, cfg.rms_norm_eps)
+        self.mlp = _moe(cfg, 0.0, 0.0)  # the limit lists cover the main layers only
+        self.final_layernorm = RMSNorm(H, cfg.rms_norm_eps)
+
+    def forward(self, token_embeds: torch.Tensor, hidden: torch.Tensor, start: int, cache: MLACache,
+                rotary: RotaryEmbedding) -> torch.Tensor:
+        x = self.eh_proj(torch.cat([self.enorm(token_embeds), self.hnorm(hidden)], dim=-1))
+        x = x + self.attention(self.input_layernorm(x), start, cache, rotary, absorbed=x.shape[0] <= 8)
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return self.final_layernorm(x)
+
+
+class LMHead(nn.Module):
+    """The output projection, shared by the target and the MTP draft (one module object, always).
+
+    Holds the BF16 (or checkpoint-dtype) weight, and optionally an FP8 e4m3 copy with per-row scales
+    quantized online; `use_fp8` picks which one runs.
+    """
+
+    def __init__(self, hidden: int, vocab: int) -> None:
+        super().__init__()
+        self.hidden, self.vocab = hidden, vocab
+        self.weight: torch.Tensor | None = None  # [V, H]
+        self.fp8_weight: torch.Tensor | None = None  # [V, H] float8_e4m3fn
+        self.fp8_scale: torch.Tensor | None = None  # [V] fp32
+        self.use_fp8 = False
+        self.fast_fp8 = None  # set by the GPU path: callable(h, fp8_weight, fp8_scale) -> fp32 logits
+
+    def build_fp8(self) -> None:
+        from sparkchat.engine.quant import quant_fp8_rows
+
+        self.fp8_weight, self.fp8_scale = quant_fp8_rows(self.weight)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        """h: [T, H] → fp32 logits [T, V]."""
+        if self.use_fp8:
+            if self.fast_fp8 is not None:
+                return self.fast_fp8(h, self.fp8_weight, self.fp8_scale)
+            from sparkchat.engine.quant import dequant_fp8_rows
+
+            return (h @ dequant_fp8_rows(self.fp8_weight, self.fp8_scale, dtype=h.dtype).T).float()
+        return (h @ self.weight.to(h.dtype).T).float()
+
+
+class LingModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, max_context: int, device: torch.device | str = "cpu") -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed: torch.Tensor | None = None  # [V, H]
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = LMHead(cfg.hidden_size, cfg.vocab_size)
+        self.mtp = MTPLayer(cfg) if cfg.has_mtp else None
+        self.rotary = RotaryEmbedding(cfg.qk_rope_head_dim, cfg.rope_theta, max_context, cfg.rope_scaling, device)
+
+    def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.embed[ids]
+
+    @torch.inference_mode()
+    def forward(self, ids: torch.Tensor, start: int, state: ConversationState,
+                keep_steps: bool = False) -> tuple[torch.Tensor, dict[int, KDASteps]]:
+        """Run T new tokens at positions start.. through the layers, updating `state`.
+
+        Returns the final hidden states after `model.norm` [T, H] (what the head and the MTP layer read)
+        and, with keep_steps, each KDA layer's per-position states for rollback.
+        """
+        x = self.embed_tokens(ids)
+        kept: dict[int, KDASteps] = {}
+        for layer in self.layers:
+            x, steps = layer(x, start, state, self.rotary, keep_steps)
+            if steps is not None:
+                kept[layer.idx] = steps
+        return self.norm(x), kept
+
+    @torch.inference_mode()
+    def draft(self, next_ids: torch.Tensor, hidden: torch.Tensor, start: int, cache: MLACache) -> torch.Tensor:
+        """One MTP step over T slots: slot t combines the main hidden at position start+t with the token
+        at start+t+1. Returns the MTP hidden after its final_layernorm [T, H]."""
+        return self.mtp(self.embed_tokens(next_ids), hidden, start, cache, self.rotary)

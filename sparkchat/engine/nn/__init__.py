@@ -1,0 +1,1 @@
+"""The model's building blocks, one module per concept."""

@@ -1,0 +1,139 @@
+"""Kimi Delta Attention (KDA): the linear-attention layer of 35 of Ling-3.0-flash's 42 layers.
+
+Per head, a fp32 state S ∈ R^{dk×dv} is decayed per key channel, corrected by the delta rule and
+read by q. Decode runs the recurrence token by token; prefill uses the chunked form (kda_chunked).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sparkchat.engine.nn.linear import Linear
+from sparkchat.engine.nn.norm import gated_rms_norm
+
+
+@dataclass
+class KDAState:
+    conv: torch.Tensor  # [K-1, 3D]: the last K-1 pre-conv q|k|v inputs
+    recurrent: torch.Tensor  # [heads, dk, dv] fp32
+
+
+@dataclass
+class KDASteps:
+    """Per-position states of one multi-token step, kept so a verify can roll back exactly."""
+
+    window: torch.Tensor  # [K-1+T, 3D] conv inputs: the old conv state then the T new inputs
+    recurrent: torch.Tensor  # [T, heads, dk, dv] state after each position
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x / torch.sqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def kda_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                  state: torch.Tensor, keep_steps: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The delta-rule recurrence, in fp32. q,k,g: [T, h, dk] (q,k already L2-normed, q scaled);
+    v: [T, h, dv]; beta: [T, h]; state: [h, dk, dv]. Returns (o [T, h, dv], final state, steps)."""
+    T = q.shape[0]
+    o = q.new_empty(T, q.shape[1], v.shape[-1])
+    steps = state.new_empty((T,) + state.shape) if keep_steps else None
+    S = state
+    for t in range(T):
+        S = S * g[t].exp().unsqueeze(-1)
+        kv_mem = torch.einsum("hkv,hk->hv", S, k[t])
+        delta = (v[t] - kv_mem) * beta[t].unsqueeze(-1)
+        S = S + k[t].unsqueeze(-1) * delta.unsqueeze(-2)
+        o[t] = torch.einsum("hkv,hk->hv", S, q[t])
+        if steps is not None:
+            steps[t] = S
+    return o, S, steps
+
+
+def kda_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                state: torch.Tensor, chunk: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same recurrence computed chunk by chunk (matrix products inside a chunk), for prefill.
+
+    Within a chunk, with cumulative log-decays G_t (per key channel), the delta rule becomes a unit
+    lower-triangular system (I + A) U = β ⊙ (V − (K⊙e^G) S0), A_ts = β_t Σ_c k_tc k_sc e^{G_tc − G_sc} (s < t).
+    Decays enter only as differences G_t − G_s ≤ 0, so nothing overflows however long the chunk.
+    """
+    T, h, dk = k.shape
+    dv = v.shape[-1]
+    o = q.new_empty(T, h, dv)
+    S = state
+    for s0 in range(0, T, chunk):
+        s1 = min(s0 + chunk, T)
+        n = s1 - s0
+        qc, kc, vc = q[s0:s1].transpose(0, 1), k[s0:s1].transpose(0, 1), v[s0:s1].transpose(0, 1)  # [h, n, d]
+        bc = beta[s0:s1].transpose(0, 1).unsqueeze(-1)  # [h, n, 1]
+        G = g[s0:s1].transpose(0, 1).cumsum(1)  # [h, n, dk]
+        diff = G.unsqueeze(2) - G.unsqueeze(1)  # [h, t, s, dk] = G_t - G_s
+        causal = torch.tril(torch.ones(n, n, dtype=torch.bool, device=q.device))
+        decay = diff.masked_fill(~causal[..., None], float("-inf")).exp()  # zero above the diagonal
+        strict = torch.eye(n, dtype=torch.bool, device=q.device)
+        A = torch.einsum("htc,hsc,htsc->hts", kc, kc, decay).masked_fill(strict, 0) * bc
+        k_in = kc * G.exp()  # k_t ⊙ e^{G_t}: decay from the chunk start to t
+        rhs = bc * (vc - k_in @ S)  # [h, n, dv]
+        eye = torch.eye(n, dtype=q.dtype, device=q.device)
+        U = torch.linalg.solve_triangular(eye + A, rhs, upper=False, unitriangular=True)
+        P = torch.einsum("htc,hsc,htsc->hts", qc, kc, decay)  # s ≤ t
+        o[s0:s1] = ((qc * G.exp()) @ S + P @ U).transpose(0, 1)
+        G_end = G[:, -1:, :]  # [h, 1, dk]
+        S = S * G_end.transpose(1, 2).exp() + (kc * (G_end - G).exp()).transpose(1, 2) @ U
+    return o, S
+
+
+class KimiDeltaAttention(nn.Module):
+    def __init__(self, hidden: int, heads: int, head_dim: int, conv_size: int, safe_gate: bool,
+                 lower_bound: float, eps: float) -> None:
+        super().__init__()
+        D = heads * head_dim
+        self.heads, self.head_dim, self.conv_size = heads, head_dim, conv_size
+        self.safe_gate, self.lower_bound, self.eps = safe_gate, lower_bound, eps
+        for name in ("q_proj", "k_proj", "v_proj", "f_proj", "g_proj"):
+            setattr(self, name, Linear(hidden, D))
+        self.b_proj = Linear(hidden, heads)
+        self.o_proj = Linear(D, hidden)
+        self.conv_weight = nn.Parameter(torch.zeros(3 * D, conv_size), requires_grad=False)  # fp32
+        self.A_log = nn.Parameter(torch.zeros(heads), requires_grad=False)
+        self.dt_bias = nn.Parameter(torch.zeros(D), requires_grad=False)
+        self.o_norm_weight = nn.Parameter(torch.ones(head_dim), requires_grad=False)
+
+    def gate(self, x: torch.Tensor) -> torch.Tensor:
+        """Per-channel log-decay g ≤ 0, [T, heads, dk]."""
+        f = self.f_proj(x).float().view(-1, self.heads, self.head_dim) + self.dt_bias.view(self.heads, -1)
+        rate = self.A_log.exp().view(1, -1, 1)
+        g = self.lower_bound * torch.sigmoid(rate * f) if self.safe_gate else -rate * F.softplus(f)
+        return g.to(x.dtype)
+
+    def forward(self, x: torch.Tensor, state: KDAState, keep_steps: bool = False,
+                chunked: bool = False) -> tuple[torch.Tensor, KDASteps | None]:
+        T = x.shape[0]
+        h, d = self.heads, self.head_dim
+        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)  # [T, 3D]
+        window = torch.cat([state.conv.to(qkv.dtype), qkv], dim=0)  # [K-1+T, 3D]
+        w = self.conv_weight  # [3D, K] fp32
+        win32 = window.float()
+        conv = sum(win32[j:j + T] * w[:, j] for j in range(self.conv_size))
+        qkv = F.silu(conv).to(x.dtype)
+        state.conv.copy_(window[T:])
+        q, k, v = (t.reshape(T, h, d).float() for t in qkv.split(h * d, dim=-1))
+        q = l2norm(q) * d ** -0.5
+        k = l2norm(k)
+        g = self.gate(x).float()
+        beta = torch.sigmoid(self.b_proj(x)).float()
+        if chunked and not keep_steps:
+            o, S = kda_chunked(q, k, v, g, beta, state.recurrent)
+            steps = None
+        else:
+            o, S, rec_steps = kda_recurrent(q, k, v, g, beta, state.recurrent, keep_steps)
+            steps = KDASteps(window, rec_steps) if keep_steps else None
+        state.recurrent.copy_(S)
+        o = o.to(x.dtype)
+        gate = self.g_proj(x).view(T, h, d)
+        o = gated_rms_norm(o, gate, self.o_norm_weight, self.eps).reshape(T, h * d)
+        return self.o_proj(o), steps

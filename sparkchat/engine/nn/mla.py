@@ -1,0 +1,74 @@
+"""Gated multi-head latent attention (MLA): 7 of the 42 layers, and the MTP layer's attention.
+
+Only the latent c (kv_lora_rank values) and the shared rope key (rope dims) are cached per token.
+Prefill expands the latents to per-head keys and values; decode and verify use the absorbed form,
+folding kv_b_proj's key half into q and its value half after attention, so they read only the cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sparkchat.engine.nn.linear import Linear
+from sparkchat.engine.nn.norm import RMSNorm
+from sparkchat.engine.nn.rope import RotaryEmbedding, apply_rope_interleaved
+
+
+@dataclass
+class MLACache:
+    latent: torch.Tensor  # [max_ctx, kv_lora_rank]
+    rope_key: torch.Tensor  # [max_ctx, qk_rope_head_dim]
+
+
+class MultiLatentAttention(nn.Module):
+    def __init__(self, hidden: int, heads: int, nope: int, rope: int, v_dim: int, rank: int, eps: float) -> None:
+        super().__init__()
+        self.heads, self.nope, self.rope, self.v_dim, self.rank = heads, nope, rope, v_dim, rank
+        self.q_proj = Linear(hidden, heads * (nope + rope))
+        self.kv_a_proj_with_mqa = Linear(hidden, rank + rope)
+        self.kv_a_layernorm = RMSNorm(rank, eps)
+        self.kv_b_proj = Linear(rank, heads * (nope + v_dim))
+        self.dense = Linear(heads * v_dim, hidden)
+        self.g_proj = Linear(hidden, heads)
+        self.softmax_scale = (nope + rope) ** -0.5
+
+    def forward(self, x: torch.Tensor, start: int, cache: MLACache, rotary: RotaryEmbedding,
+                absorbed: bool) -> torch.Tensor:
+        T = x.shape[0]
+        h = self.heads
+        q = self.q_proj(x).view(T, h, self.nope + self.rope)
+        q_nope, q_rope = q.split([self.nope, self.rope], dim=-1)
+        latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope], dim=-1)
+        latent = self.kv_a_layernorm(latent)
+        cos, sin = rotary.cos[start:start + T], rotary.sin[start:start + T]
+        q_rope = apply_rope_interleaved(q_rope, cos, sin)
+        k_rope = apply_rope_interleaved(k_rope.unsqueeze(1), cos, sin).squeeze(1)
+        end = start + T
+        cache.latent[start:end] = latent
+        cache.rope_key[start:end] = k_rope
+        C, KR = cache.latent[:end], cache.rope_key[:end]
+        scale = self.softmax_scale * rotary.softmax_mscale
+        # query t sits at position start+t and sees keys 0..start+t
+        mask = torch.arange(end, device=x.device)[None, :] <= torch.arange(start, end, device=x.device)[:, None]
+        w_kv = self.kv_b_proj.dense_weight(x.dtype).view(h, self.nope + self.v_dim, self.rank)
+        if absorbed:
+            w_uk, w_uv = w_kv[:, : self.nope], w_kv[:, self.nope:]  # [h, nope, r], [h, v, r]
+            q_latent = torch.einsum("thn,hnr->thr", q_nope, w_uk)
+            scores = torch.einsum("thr,lr->thl", q_latent, C) + torch.einsum("thp,lp->thl", q_rope, KR)
+            scores = (scores * scale).masked_fill(~mask[:, None, :], float("-inf"))
+            probs = torch.softmax(scores.float(), dim=-1).to(x.dtype)
+            o = torch.einsum("thr,hvr->thv", torch.einsum("thl,lr->thr", probs, C), w_uv)
+        else:
+            kv = (C @ w_kv.reshape(-1, self.rank).T).view(end, h, self.nope + self.v_dim)
+            k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
+            k = torch.cat([k_nope, KR.unsqueeze(1).expand(end, h, self.rope)], dim=-1)
+            qh = torch.cat([q_nope, q_rope], dim=-1).transpose(0, 1)  # [h, T, d]
+            o = F.scaled_dot_product_attention(qh, k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask,
+                                               scale=scale).transpose(0, 1)
+        gate = torch.sigmoid(self.g_proj(x).float()).to(x.dtype)  # one gate per head
+        o = o * gate.unsqueeze(-1)
+        return self.dense(o.reshape(T, h * self.v_dim))

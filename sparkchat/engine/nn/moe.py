@@ -1,0 +1,114 @@
+"""Mixture of experts: fp32 sigmoid router with group-limited top-k, routed experts, shared expert.
+
+The routed experts' weights are stacked per layer, plain or MXFP4 (4-bit E2M1 + E8M0 group-32
+scales). The reference forward dequantizes only the experts the tokens selected.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sparkchat.engine.nn.linear import Linear
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """silu(gate)·up, with Ling's clamp when limit > 0: min(silu(gate), L) · clip(up, −L, L)."""
+    if limit > 0:
+        return F.silu(gate).clamp(max=limit) * up.clamp(-limit, limit)
+    return F.silu(gate) * up
+
+
+class MLP(nn.Module):
+    """Dense SwiGLU MLP (the first layers, and the shared expert)."""
+
+    def __init__(self, hidden: int, inter: int, limit: float = 0.0) -> None:
+        super().__init__()
+        self.gate_proj, self.up_proj = Linear(hidden, inter), Linear(hidden, inter)
+        self.down_proj = Linear(inter, hidden)
+        self.limit = limit
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x), self.limit))
+
+
+class Router(nn.Module):
+    def __init__(self, hidden: int, experts: int, top_k: int, groups: int, top_groups: int,
+                 scaling: float, renormalize: bool) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(experts, hidden), requires_grad=False)  # fp32
+        self.expert_bias = nn.Parameter(torch.zeros(experts), requires_grad=False)  # fp32
+        self.experts, self.top_k, self.groups, self.top_groups = experts, top_k, groups, top_groups
+        self.scaling, self.renormalize = scaling, renormalize
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [T, H] → (expert ids [T, k] int64, weights [T, k] fp32)."""
+        scores = torch.sigmoid(x.float() @ self.weight.float().T)  # [T, E]
+        choice = scores + self.expert_bias
+        T = x.shape[0]
+        group_scores = choice.view(T, self.groups, -1).topk(2, dim=-1).values.sum(-1)  # [T, G]
+        keep = group_scores.topk(self.top_groups, dim=-1).indices
+        group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
+        expert_mask = group_mask.repeat_interleave(self.experts // self.groups, dim=1)
+        ids = choice.masked_fill(~expert_mask, float("-inf")).topk(self.top_k, dim=-1).indices
+        weights = scores.gather(1, ids)
+        if self.renormalize:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return ids, weights * self.scaling
+
+
+class Experts(nn.Module):
+    """Routed experts of one layer, stacked: w13 = [gate; up] rows, w2 = down.
+
+    Plain: w13 [E, 2I, H], w2 [E, H, I]. MXFP4: w13 uint8 [E, 2I, H/2] + w13_scale uint8 [E, 2I, H/32],
+    w2 uint8 [E, H, I/2] + w2_scale uint8 [E, H, I/32].
+    """
+
+    def __init__(self, experts: int, hidden: int, inter: int, limit: float = 0.0) -> None:
+        super().__init__()
+        self.num_experts, self.hidden, self.inter, self.limit = experts, hidden, inter, limit
+        self.w13: torch.Tensor | None = None
+        self.w2: torch.Tensor | None = None
+        self.w13_scale: torch.Tensor | None = None
+        self.w2_scale: torch.Tensor | None = None
+
+    @property
+    def is_mxfp4(self) -> bool:
+        return self.w13_scale is not None
+
+    def expert_weights(self, e: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """One expert's (w13 [2I, H], w2 [H, I]) as plain tensors of `dtype`."""
+        if not self.is_mxfp4:
+            return self.w13[e].to(dtype), self.w2[e].to(dtype)
+        from sparkchat.engine.quant import dequant_mxfp4
+
+        return (dequant_mxfp4(self.w13[e], self.w13_scale[e], dtype=dtype),
+                dequant_mxfp4(self.w2[e], self.w2_scale[e], dtype=dtype))
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Dequantize-then-matmul over the distinct selected experts (the baseline and the oracle)."""
+        out = torch.zeros_like(x)
+        for e in ids.unique().tolist():
+            tok, slot = (ids == e).nonzero(as_tuple=True)
+            w13, w2 = self.expert_weights(e, x.dtype)
+            gate, up = (x[tok] @ w13.T).chunk(2, dim=-1)
+            y = swiglu(gate, up, self.limit) @ w2.T
+            out.index_add_(0, tok, (y * weights[tok, slot, None]).to(x.dtype))
+        return out
+
+
+class MoE(nn.Module):
+    def __init__(self, hidden: int, inter: int, experts: int, top_k: int, groups: int, top_groups: int,
+                 scaling: float, renormalize: bool, shared: int, limit: float, shared_limit: float) -> None:
+        super().__init__()
+        self.gate = Router(hidden, experts, top_k, groups, top_groups, scaling, renormalize)
+        self.experts = Experts(experts, hidden, inter, limit)
+        self.shared_experts = MLP(hidden, inter * shared, shared_limit) if shared else None
+        self.fast_experts = None  # set by the GPU path: a callable with Experts.forward's signature
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ids, weights = self.gate(x)
+        experts = self.experts if self.fast_experts is None else self.fast_experts
+        routed = experts(x, ids, weights)
+        return routed if self.shared_experts is None else routed + self.shared_experts(x)

@@ -1,0 +1,66 @@
+"""The state of one conversation, preallocated to the maximum context: MLA latent caches, KDA
+recurrent and conv states, the MTP layer's own cache, and the tokens they hold."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from sparkchat.engine.config import ModelConfig
+from sparkchat.engine.nn.kda import KDAState
+from sparkchat.engine.nn.mla import MLACache
+
+
+@dataclass
+class ConversationState:
+    max_context: int
+    kda: dict[int, KDAState]
+    mla: dict[int, MLACache]
+    mtp: MLACache | None
+    token_ids: list[int] = field(default_factory=list)  # tokens whose effect the state holds
+
+    @classmethod
+    def allocate(cls, cfg: ModelConfig, max_context: int, device: torch.device | str,
+                 dtype: torch.dtype) -> "ConversationState":
+        D = cfg.kda_dim
+        kda = {
+            i: KDAState(
+                conv=torch.zeros(cfg.short_conv_kernel_size - 1, 3 * D, device=device, dtype=dtype),
+                recurrent=torch.zeros(cfg.num_attention_heads, cfg.head_dim, cfg.head_dim, device=device,
+                                      dtype=torch.float32),
+            )
+            for i in cfg.kda_layers
+        }
+
+        def mla_cache() -> MLACache:
+            return MLACache(
+                latent=torch.zeros(max_context, cfg.kv_lora_rank, device=device, dtype=dtype),
+                rope_key=torch.zeros(max_context, cfg.qk_rope_head_dim, device=device, dtype=dtype),
+            )
+
+        mla = {i: mla_cache() for i in cfg.mla_layers}
+        return cls(max_context, kda, mla, mla_cache() if cfg.has_mtp else None)
+
+    @property
+    def length(self) -> int:
+        return len(self.token_ids)
+
+    def reset(self) -> None:
+        """Forget the conversation. MLA caches need no clearing: positions past `length` are never read."""
+        for s in self.kda.values():
+            s.conv.zero_()
+            s.recurrent.zero_()
+        self.token_ids = []
+
+    def snapshot(self) -> dict[str, torch.Tensor]:
+        """Copies of every live tensor (for tests and debugging: compare two states exactly)."""
+        n = self.length
+        out: dict[str, torch.Tensor] = {}
+        for i, s in self.kda.items():
+            out[f"kda.{i}.conv"] = s.conv.clone()
+            out[f"kda.{i}.recurrent"] = s.recurrent.clone()
+        for i, c in self.mla.items():
+            out[f"mla.{i}.latent"] = c.latent[:n].clone()
+            out[f"mla.{i}.rope_key"] = c.rope_key[:n].clone()
+        return out
