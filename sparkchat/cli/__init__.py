@@ -26,14 +26,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def fail(message: str, code: int) -> int:
+    print(f"sparkchat: error: {message}", file=sys.stderr)
+    return code
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
         return EXIT_OK
+    from sparkchat.engine.errors import SparkchatError
+
     try:
         return int(args.func(args) or 0)
+    except SparkchatError as e:
+        return fail(str(e), EXIT_MODEL)
     except KeyboardInterrupt:
         print("sparkchat: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+
+
+if __name__ == "__main__":
+    sys.exit(main())

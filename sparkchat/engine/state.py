@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from sparkchat.engine.config import ModelConfig
-from sparkchat.engine.nn.kda import KDAState
+from sparkchat.engine.nn.kda import KDAState, KDASteps
 from sparkchat.engine.nn.mla import MLACache
 
 
@@ -18,7 +18,9 @@ class ConversationState:
     kda: dict[int, KDAState]
     mla: dict[int, MLACache]
     mtp: MLACache | None
+    hidden: torch.Tensor  # [max_ctx, H]: the main model's normed hidden per position (MTP input)
     token_ids: list[int] = field(default_factory=list)  # tokens whose effect the state holds
+    mtp_length: int = 0  # positions the MTP layer's cache holds, computed from true hidden states
 
     @classmethod
     def allocate(cls, cfg: ModelConfig, max_context: int, device: torch.device | str,
@@ -40,7 +42,8 @@ class ConversationState:
             )
 
         mla = {i: mla_cache() for i in cfg.mla_layers}
-        return cls(max_context, kda, mla, mla_cache() if cfg.has_mtp else None)
+        hidden = torch.zeros(max_context if cfg.has_mtp else 0, cfg.hidden_size, device=device, dtype=dtype)
+        return cls(max_context, kda, mla, mla_cache() if cfg.has_mtp else None, hidden)
 
     @property
     def length(self) -> int:
@@ -52,6 +55,17 @@ class ConversationState:
             s.conv.zero_()
             s.recurrent.zero_()
         self.token_ids = []
+        self.mtp_length = 0
+
+    def rollback_kda(self, kept: dict[int, KDASteps], last: int) -> None:
+        """After a multi-token step, set every KDA layer to its state right after new position `last`
+        (0-based within the step): the recurrent state kept for that position, and the conv state
+        made of the K-1 inputs that end there."""
+        for i, steps in kept.items():
+            s = self.kda[i]
+            k_1 = s.conv.shape[0]
+            s.recurrent.copy_(steps.recurrent[last])
+            s.conv.copy_(steps.window[last + 1: last + 1 + k_1])
 
     def snapshot(self) -> dict[str, torch.Tensor]:
         """Copies of every live tensor (for tests and debugging: compare two states exactly)."""

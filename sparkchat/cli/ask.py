@@ -1,0 +1,156 @@
+"""`sparkchat ask`: one prompt in, the answer streamed out (or one JSON object with --json)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+THINK_END = "</think>"
+
+
+def add_engine_flags(p: argparse.ArgumentParser) -> None:
+    """Model, device and optimization flags shared by commands that load the engine."""
+    p.add_argument("--model", "-m", help="model directory (or a Hub repo id already downloaded)")
+    p.add_argument("--device", default=None, help="auto (default), cpu or cuda")
+    p.add_argument("--dtype", default=None, help="auto (default: bfloat16 on CUDA, float32 on CPU), "
+                                                  "float32, bfloat16 or float16")
+    p.add_argument("--max-context", type=int, default=None, metavar="N", help="context length to allocate")
+    p.add_argument("--mtp", action=argparse.BooleanOptionalAction, default=None,
+                   help="MTP speculative decoding (default: on when the model has an MTP layer)")
+    p.add_argument("--draft-steps", type=int, default=None, metavar="N", help="MTP draft tokens per step, 1-4")
+    p.add_argument("--fp8-head", action=argparse.BooleanOptionalAction, default=None,
+                   help="FP8 LM head quantized online (default: on with CUDA)")
+    p.add_argument("--mxfp4-kernels", action=argparse.BooleanOptionalAction, default=None,
+                   help="Triton MXFP4 expert kernels (default: on with CUDA)")
+
+
+def add_sampling_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=None, metavar="N", help="answer length limit (512)")
+    p.add_argument("--temperature", "-t", type=float, default=None, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass (1.0)")
+    p.add_argument("--top-k", type=int, default=None, help="sample from the k likeliest tokens (0 = all)")
+    p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+    p.add_argument("--system", default=None, help="system prompt")
+    p.add_argument("--think", action=argparse.BooleanOptionalAction, default=None,
+                   help="let the model think before answering (default: on)")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("ask", help="answer one prompt and exit",
+                       description="Answer one prompt. Piped stdin is appended to the prompt.")
+    p.add_argument("prompt", nargs="*", help="the prompt (joined with spaces)")
+    add_engine_flags(p)
+    add_sampling_flags(p)
+    p.add_argument("--json", action="store_true", help="print one JSON object with the answer and stats")
+    p.add_argument("--stats", action="store_true", help="print speed figures to stderr after the answer")
+    p.set_defaults(func=run)
+
+
+def read_prompt(args: argparse.Namespace) -> str:
+    prompt = " ".join(args.prompt)
+    if not sys.stdin.isatty():
+        piped = sys.stdin.read()
+        if piped.strip():
+            prompt = f"{prompt}\n\n{piped}" if prompt else piped
+    return prompt.strip()
+
+
+def sampling_from(args: argparse.Namespace):
+    from sparkchat.engine.events import SamplingParams
+
+    p = SamplingParams()
+    for name in ("temperature", "top_p", "top_k", "seed", "max_tokens"):
+        value = getattr(args, name, None)
+        if value is not None:
+            setattr(p, name, value)
+    if p.max_tokens < 1:
+        raise ValueError("--max-tokens must be at least 1")
+    if p.temperature < 0:
+        raise ValueError("--temperature must be 0 or more")
+    if not 0 < p.top_p <= 1:
+        raise ValueError("--top-p must be in (0, 1]")
+    if p.top_k < 0:
+        raise ValueError("--top-k must be 0 or more")
+    return p
+
+
+def load_engine(args: argparse.Namespace, progress=None):
+    """The engine for --model (or the configured default), with the switch flags applied."""
+    from sparkchat.cli.resolve import resolve_model
+    from sparkchat.engine.session import Engine
+
+    model_dir = resolve_model(args.model)
+    engine = Engine.load(model_dir, device=args.device or "auto", dtype=args.dtype or "auto",
+                         max_context=args.max_context or 8192, progress=progress)
+    sw = engine.switches
+    for name in ("mtp", "draft_steps", "fp8_head", "mxfp4_kernels"):
+        value = getattr(args, name, None)
+        if value is not None:
+            setattr(sw, name, value)
+    if not 1 <= sw.draft_steps <= 4:
+        raise ValueError("--draft-steps must be between 1 and 4")
+    engine.set_switches(sw)
+    return engine
+
+
+def split_thinking(text: str) -> tuple[str | None, str]:
+    """(reasoning, answer): the generation prompt opens <think>, so reasoning ends at </think>."""
+    if THINK_END in text:
+        reasoning, answer = text.split(THINK_END, 1)
+        return reasoning.strip(), answer.strip()
+    return None, text.strip()
+
+
+def run(args: argparse.Namespace) -> int:
+    from sparkchat.cli import EXIT_USAGE, fail
+
+    prompt = read_prompt(args)
+    if not prompt:
+        return fail("no prompt given: pass it as an argument or pipe it on stdin", EXIT_USAGE)
+    try:
+        params = sampling_from(args)
+    except ValueError as e:
+        return fail(str(e), EXIT_USAGE)
+    engine = load_engine(args)
+    messages: list[dict[str, Any]] = []
+    if args.system:
+        messages.append({"role": "system", "content": args.system})
+    messages.append({"role": "user", "content": prompt})
+    think = True if args.think is None else args.think
+    prompt_ids = engine.tokenizer.encode_chat(messages, enable_thinking=think)
+    pieces: list[str] = []
+    token_ids: list[int] = []
+    finish, stats = None, None
+    for event in engine.generate_ids(prompt_ids, params):
+        pieces.append(event.text)
+        token_ids.extend(event.token_ids)
+        finish, stats = event.finish_reason, event.stats
+        if not args.json and event.text:
+            sys.stdout.write(event.text)
+            sys.stdout.flush()
+    text = "".join(pieces)
+    if args.json:
+        reasoning, answer = split_thinking(text) if think else (None, text)
+        out = {
+            "model": engine.name, "text": text, "answer": answer, "reasoning": reasoning,
+            "token_ids": token_ids, "prompt_token_ids": prompt_ids, "finish_reason": finish,
+            "stats": stats.to_dict(),
+            "switches": {k: vars(v) for k, v in engine.switch_states().items()},
+        }
+        print(json.dumps(out, ensure_ascii=False))
+    else:
+        if not text.endswith("\n"):
+            sys.stdout.write("\n")
+    if args.stats and stats is not None:
+        print(format_stats(stats), file=sys.stderr)
+    return 0
+
+
+def format_stats(s) -> str:
+    parts = [f"{s.generated_tokens} tokens", f"{s.decode_tok_s:.1f} tok/s", f"TTFT {s.ttft_s * 1000:.0f} ms",
+             f"prefill {s.prefilled_tokens} tok at {s.prefill_tok_s:.0f} tok/s"]
+    if s.accept_length_mean is not None:
+        parts.append(f"accept length {s.accept_length_mean:.2f}")
+    return " · ".join(parts)

@@ -1,0 +1,200 @@
+"""Token generation over one conversation state: prefill, then plain or speculative (MTP) steps.
+
+Speculative decoding follows NVIDIA's recipe: the model's own NextN layer drafts k tokens, one target
+pass verifies k+1 positions, then accept and roll back. Explicit steps: draft → verify → accept →
+rollback, with an acceptance histogram in the stats.
+
+Which hidden state feeds the MTP layer, and how drafts chain (sources: SGLang
+`models/bailing_moe_nextn.py` and its EAGLE worker; vLLM `bailing_moe_v3_mtp.py`): the main model's
+hidden AFTER `model.norm` at position p, with the embedding of token p+1, at position p; each further
+draft step feeds the MTP layer's own output (after its `final_layernorm`) and the token it drafted.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from threading import Event
+
+import torch
+
+from sparkchat.engine.events import GenerationStats, SamplingParams
+from sparkchat.engine.model import LingModel
+from sparkchat.engine.sampling import make_generator, probabilities, sample, speculative_accept
+from sparkchat.engine.state import ConversationState
+
+
+@dataclass
+class StepOutput:
+    tokens: list[int]
+    finish_reason: str | None
+    stats: GenerationStats
+
+
+@dataclass
+class _SpecCounters:
+    steps: int = 0
+    accepted: int = 0  # tokens emitted by verify steps (accepted drafts + the target's own)
+    last: int = 0
+    per_position: list[int] = field(default_factory=list)  # drafts accepted at each position
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Decoder:
+    """Runs the model over a ConversationState. Keeps nothing between answers but the state itself."""
+
+    def __init__(self, model: LingModel, state: ConversationState) -> None:
+        self.model, self.state = model, state
+        self.device = state.hidden.device if state.hidden.numel() else model.embed.device
+
+    # -- the target model ---------------------------------------------------------------------
+    def forward(self, ids: list[int], keep_steps: bool = False) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        """Run `ids` at the next positions; returns (hidden [T, H], logits [T, V] fp32, kept KDA steps).
+        The state's token list is NOT extended here: callers commit what they keep."""
+        start = self.state.length
+        x = torch.tensor(ids, device=self.device)
+        hidden, kept = self.model(x, start, self.state, keep_steps=keep_steps)
+        if self.state.hidden.numel():
+            self.state.hidden[start:start + len(ids)] = hidden
+        return hidden, self.model.lm_head(hidden), kept
+
+    def commit(self, ids: list[int]) -> None:
+        self.state.token_ids.extend(ids)
+
+    # -- the MTP draft ------------------------------------------------------------------------
+    def mtp_catch_up(self, pending: int) -> torch.Tensor:
+        """Bring the MTP cache up to the last processed position using true hidden states; returns the
+        MTP hidden of that last slot (its input token is `pending`, the token not yet processed)."""
+        st = self.state
+        n, start = st.length, st.mtp_length
+        next_ids = st.token_ids[start + 1:n] + [pending]
+        hidden = st.hidden[start:n]
+        ids = torch.tensor(next_ids, device=self.device)
+        m = self.model.draft(ids, hidden, start, st.mtp)
+        st.mtp_length = n
+        return m[-1:]
+
+    def draft(self, pending: int, k: int, params: SamplingParams,
+              gen: torch.Generator | None) -> tuple[list[int], torch.Tensor | None]:
+        """k draft tokens after `pending`, and their draft distributions when sampling."""
+        m = self.mtp_catch_up(pending)
+        tokens: list[int] = []
+        qs = []
+        pos = self.state.length  # the next slot's position
+        for j in range(k):
+            if j:
+                ids = torch.tensor([tokens[-1]], device=self.device)
+                m = self.model.draft(ids, m, pos + j - 1, self.state.mtp)
+            logits = self.model.lm_head(m)  # the very same head module as the target
+            if params.temperature > 0:
+                q = probabilities(logits, params)
+                qs.append(q[0])
+                tokens.append(int(torch.multinomial(q[0], 1, generator=gen)))
+            else:
+                tokens.append(int(logits[0].argmax()))
+        return tokens, (torch.stack(qs) if qs else None)
+
+
+def generate_tokens(model: LingModel, state: ConversationState, new_ids: list[int], params: SamplingParams,
+                    stop_ids: set[int], *, mtp: bool = False, draft_steps: int = 3,
+                    cancel: Event | None = None, stats: GenerationStats | None = None) -> Iterator[StepOutput]:
+    """Prefill `new_ids` on top of `state`, then decode. Yields the tokens of each step (1 for a plain
+    step, 1..k+1 for a speculative one) until a stop token, max_tokens, the context end or `cancel`."""
+    st = stats or GenerationStats()
+    dec = Decoder(model, state)
+    device = dec.device
+    gen = make_generator(params, device)
+    use_mtp = mtp and model.mtp is not None and draft_steps > 0
+    spec = _SpecCounters(per_position=[0] * draft_steps)
+    t0 = time.perf_counter()
+
+    _, logits, _ = dec.forward(new_ids)
+    dec.commit(new_ids)
+    pending = int(sample(logits[-1:], params, gen)[0])
+    _sync(device)
+    st.prefilled_tokens = len(new_ids)
+    st.prefill_s = st.ttft_s = time.perf_counter() - t0
+    st.prefill_tok_s = len(new_ids) / st.prefill_s if st.prefill_s > 0 else 0.0
+    t_decode = time.perf_counter()
+    produced = 0
+
+    def emit(tokens: list[int]) -> StepOutput:
+        nonlocal produced
+        finish = None
+        out: list[int] = []
+        for t in tokens:
+            if t in stop_ids:
+                finish = "stop"
+                break
+            out.append(t)
+            if produced + len(out) >= params.max_tokens:
+                finish = "length"
+                break
+        produced += len(out)
+        st.generated_tokens = produced
+        st.decode_s = time.perf_counter() - t_decode
+        if produced > 1 and st.decode_s > 0:
+            st.decode_tok_s = (produced - 1) / st.decode_s
+            st.tpot_ms = 1000 * st.decode_s / (produced - 1)
+        if spec.steps:
+            st.accept_length_mean = spec.accepted / spec.steps
+            st.accept_length_last = spec.last
+            st.accept_rate_per_position = [a / spec.steps for a in spec.per_position]
+        return StepOutput(out, finish, st)
+
+    first = emit([pending])
+    yield first
+    if first.finish_reason:
+        return
+    while True:
+        if cancel is not None and cancel.is_set():
+            yield StepOutput([], "cancelled", st)
+            return
+        n = state.length
+        k = draft_steps if use_mtp else 0
+        if n + 1 >= state.max_context:
+            yield StepOutput([], "length", st)
+            return
+        if use_mtp and n + k + 1 > state.max_context:
+            k = 0
+        if k == 0:
+            _, logits, _ = dec.forward([pending])
+            dec.commit([pending])
+            pending = int(sample(logits, params, gen)[0])
+            out = emit([pending])
+        else:
+            t_d = time.perf_counter()
+            drafts, q = dec.draft(pending, k, params, gen)
+            _sync(device)
+            t_v = time.perf_counter()
+            st.draft_s += t_v - t_d
+            hidden, logits, kept = dec.forward([pending] + drafts, keep_steps=True)
+            if params.temperature > 0:
+                p = probabilities(logits, params)
+                accepted, nxt = speculative_accept(p, q, torch.tensor(drafts, device=device), gen)
+            else:
+                target = logits.argmax(-1).tolist()
+                accepted = 0
+                while accepted < k and drafts[accepted] == target[accepted]:
+                    accepted += 1
+                nxt = target[accepted]
+            # rollback: keep positions pending, d_1..d_accepted; drop the rest
+            state.rollback_kda(kept, accepted)
+            dec.commit([pending] + drafts[:accepted])
+            _sync(device)
+            st.verify_s += time.perf_counter() - t_v
+            spec.steps += 1
+            spec.last = accepted + 1
+            spec.accepted += accepted + 1
+            for i in range(accepted):
+                spec.per_position[i] += 1
+            pending = nxt
+            out = emit(drafts[:accepted] + [nxt])
+        yield out
+        if out.finish_reason:
+            return

@@ -1,0 +1,198 @@
+"""The Engine: a loaded model, its tokenizer, one conversation's state, and the runtime switches."""
+
+from __future__ import annotations
+
+import resource
+
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, replace
+from pathlib import Path
+from threading import Event
+from typing import Any
+
+import torch
+
+from sparkchat.engine.config import ModelConfig
+from sparkchat.engine.errors import ContextOverflowError, ModelError
+from sparkchat.engine.events import GenerationStats, ResponseEvent, SamplingParams, Switches, SwitchState
+from sparkchat.engine.generate import generate_tokens
+from sparkchat.engine.loader import load_model
+from sparkchat.engine.model import LingModel
+from sparkchat.engine.state import ConversationState
+from sparkchat.engine.tokenizer import ChatTokenizer
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16}
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise ModelError(f"unknown device {device!r} (use auto, cpu or cuda)") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ModelError("--device cuda was asked for, but no CUDA device is available here")
+    if dev.type not in ("cpu", "cuda"):
+        raise ModelError(f"unsupported device {device!r} (use auto, cpu or cuda)")
+    return dev
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in _DTYPES:
+        raise ModelError(f"unsupported dtype {dtype!r} (use auto, float32, bfloat16 or float16)")
+    return _DTYPES[dtype]
+
+
+class Engine:
+    def __init__(self, model: LingModel, tokenizer: ChatTokenizer, max_context: int, name: str,
+                 model_dir: Path) -> None:
+        self.model, self.tokenizer, self.name, self.model_dir = model, tokenizer, name, model_dir
+        self.config: ModelConfig = model.cfg
+        self.device = model.embed.device
+        self.dtype = model.embed.dtype
+        self.max_context = max_context
+        self.state = ConversationState.allocate(self.config, max_context, self.device, self.dtype)
+        self.switches = Switches(mtp=model.mtp is not None, fp8_head=self.device.type == "cuda",
+                                 mxfp4_kernels=self.device.type == "cuda", cuda_graphs=False)
+        self._applied: Switches | None = None
+
+    @classmethod
+    def load(cls, model_dir: str | Path, device: str = "auto", dtype: str = "auto", max_context: int = 8192,
+             quantize_experts: bool | None = None,
+             progress: Callable[[int, int], None] | None = None) -> "Engine":
+        """Load a model directory (config.json, safetensors, tokenizer.json, chat template)."""
+        path = Path(model_dir).expanduser()
+        cfg = ModelConfig.from_dir(path)
+        tokenizer = ChatTokenizer.from_dir(path)
+        dev = resolve_device(device)
+        dt = resolve_dtype(dtype, dev)
+        if max_context < 16:
+            raise ModelError(f"max context {max_context} is too small (at least 16 tokens)")
+        max_context = min(max_context, cfg.max_position_embeddings)
+        if quantize_experts is None:
+            quantize_experts = dev.type == "cuda"
+        model = load_model(path, cfg, dev, dt, max_context, quantize_experts=quantize_experts, progress=progress)
+        return cls(model, tokenizer, max_context, path.name, path)
+
+    # -- switches -----------------------------------------------------------------------------
+    def switch_states(self) -> dict[str, SwitchState]:
+        cuda = self.device.type == "cuda"
+        has_mtp = self.model.mtp is not None
+        kernels_ok, kernels_why = self._kernels_available()
+        return {
+            "mtp": SwitchState(self.switches.mtp and has_mtp, has_mtp,
+                               None if has_mtp else "the checkpoint has no MTP (NextN) layer"),
+            "fp8_head": SwitchState(self.switches.fp8_head, True,
+                                    None if cuda else "runs through the reference dequantization on CPU"),
+            "mxfp4_kernels": SwitchState(self.switches.mxfp4_kernels and kernels_ok, kernels_ok, kernels_why),
+            "cuda_graphs": SwitchState(False, False,
+                                       "CUDA graph capture is not built yet" if cuda else "needs a CUDA device"),
+        }
+
+    def _kernels_available(self) -> tuple[bool, str | None]:
+        if self.device.type != "cuda":
+            return False, "needs a CUDA device (Triton kernels); the CPU runs the dequantize-then-matmul path"
+        try:
+            from sparkchat.engine.kernels import moe_experts_fast  # noqa: F401
+        except ImportError as e:
+            return False, f"Triton kernels unavailable: {e}"
+        return True, None
+
+    def set_switches(self, switches: Switches) -> None:
+        """Takes effect at the next answer; weights are never reloaded."""
+        if not 1 <= switches.draft_steps <= 4:
+            raise ValueError("draft_steps must be between 1 and 4")
+        self.switches = replace(switches)
+
+    def _apply_switches(self) -> dict[str, Any]:
+        states = self.switch_states()
+        head = self.model.lm_head
+        if states["fp8_head"].on and head.fp8_weight is None:
+            head.build_fp8()  # the BF16 weight stays, so the switch can go back
+        head.use_fp8 = states["fp8_head"].on
+        self._set_fast_experts(states["mxfp4_kernels"].on)
+        effective = {name: s.on for name, s in states.items()}
+        effective["draft_steps"] = self.switches.draft_steps
+        return effective
+
+    def _set_fast_experts(self, on: bool) -> None:
+        fast = None
+        if on:
+            from sparkchat.engine.kernels import moe_experts_fast
+
+            fast = moe_experts_fast
+        for moe in self._moe_blocks():
+            moe.fast_experts = fast(moe.experts) if fast and moe.experts.is_mxfp4 else None
+
+    def _moe_blocks(self) -> list[Any]:
+        from sparkchat.engine.nn.moe import MoE
+
+        return [m for m in self.model.modules() if isinstance(m, MoE)]
+
+    # -- generation ---------------------------------------------------------------------------
+    def reset(self) -> None:
+        """Start a new chat: forget the kept conversation state."""
+        self.state.reset()
+
+    def generate(self, messages: list[dict[str, Any]], params: SamplingParams | None = None, *,
+                 enable_thinking: bool = True, cancel: Event | None = None) -> Iterator[ResponseEvent]:
+        ids = self.tokenizer.encode_chat(messages, enable_thinking=enable_thinking)
+        return self.generate_ids(ids, params, cancel=cancel)
+
+    def generate_ids(self, prompt_ids: list[int], params: SamplingParams | None = None, *,
+                     cancel: Event | None = None) -> Iterator[ResponseEvent]:
+        """Stream an answer to a whole prompt. If the kept state holds a prefix of it (the earlier turns
+        of this chat), only the new tokens are prefilled."""
+        params = params or SamplingParams()
+        if not prompt_ids:
+            raise ModelError("the prompt is empty")
+        if len(prompt_ids) >= self.max_context:
+            raise ContextOverflowError(f"the prompt is {len(prompt_ids)} tokens but the context holds "
+                                       f"{self.max_context}; start a new chat or raise --max-context")
+        bad = [t for t in prompt_ids if not 0 <= t < self.config.vocab_size]
+        if bad:
+            raise ModelError(f"token id {bad[0]} is outside the model's vocabulary of {self.config.vocab_size}")
+        kept = self.state.token_ids
+        if not (len(kept) < len(prompt_ids) and prompt_ids[: len(kept)] == kept):
+            self.state.reset()
+        new_ids = prompt_ids[self.state.length:]
+        return self._stream(prompt_ids, new_ids, params, cancel)
+
+    def _stream(self, prompt_ids: list[int], new_ids: list[int], params: SamplingParams,
+                cancel: Event | None) -> Iterator[ResponseEvent]:
+        stats = GenerationStats(prompt_tokens=len(prompt_ids))
+        stats.switches = self._apply_switches()
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        decoder = self.tokenizer.stream_decoder()
+        steps = generate_tokens(self.model, self.state, new_ids, params, self.tokenizer.stop_token_ids,
+                                mtp=stats.switches["mtp"], draft_steps=self.switches.draft_steps,
+                                cancel=cancel, stats=stats)
+        try:
+            for step in steps:
+                text = "".join(decoder.push(t) for t in step.tokens)
+                if step.finish_reason:
+                    text += decoder.flush()
+                    stats.peak_memory_bytes = self._peak_memory()
+                if text or step.tokens or step.finish_reason:
+                    yield ResponseEvent(text, step.tokens, step.finish_reason, stats)
+        except BaseException:
+            # interrupted inside a forward pass: the state may be half-updated, so drop it
+            self.state.reset()
+            raise
+
+    def _peak_memory(self) -> int:
+        if self.device.type == "cuda":
+            return int(torch.cuda.max_memory_allocated(self.device))
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+    def describe(self) -> dict[str, Any]:
+        return {"model": self.name, "path": str(self.model_dir), "device": str(self.device),
+                "dtype": str(self.dtype).removeprefix("torch."), "max_context": self.max_context,
+                "switches": asdict(self.switches)}
+
+
