@@ -29,7 +29,7 @@ SCALE_FMTS = ("ue8m0", "e8m0_uint8", "float32")
 EXPERT_SCALE_NAMES = ("weight_scale_inv", "weight_scale")
 
 _ROUTED_EXPERT = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$")
-_FP8_MODULE = re.compile(r"(_proj|^dense)$")
+_FP8_MODULE = re.compile(r"(_proj|_proj_with_mqa|^dense)$")
 
 
 def tensor_kind(name: str, shape: tuple[int, ...] | torch.Size) -> str:

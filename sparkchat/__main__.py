@@ -1,0 +1,5 @@
+import sys
+
+from sparkchat.cli import main
+
+sys.exit(main())

@@ -1,0 +1,113 @@
+"""`sparkchat ask`: the JSON contract, piping, and one readable line for every bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from sparkchat.cli import main
+
+
+def run_cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    return subprocess.run([sys.executable, "-m", "sparkchat.cli", *args], input=stdin, capture_output=True,
+                          text=True, env=env, timeout=300)
+
+
+def test_ask_json_contract(tiny_model_dir):
+    r = run_cli("ask", "hello", "--model", str(tiny_model_dir), "--json", "--max-tokens", "8", "--no-think")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    for key in ("text", "token_ids", "prompt_token_ids", "finish_reason", "stats", "model", "switches"):
+        assert key in out
+    assert out["finish_reason"] in ("stop", "length")
+    assert 1 <= len(out["token_ids"]) <= 8
+    s = out["stats"]
+    assert s["prompt_tokens"] == len(out["prompt_token_ids"]) and s["generated_tokens"] == len(out["token_ids"])
+    assert s["ttft_s"] > 0 and s["prefill_s"] > 0
+    assert out["prompt_token_ids"][-2:] != []
+
+
+def test_ask_streams_and_pipes_stdin(tiny_model_dir, capsys, monkeypatch):
+    r = run_cli("ask", "summarize", "--model", str(tiny_model_dir), "--json", "--max-tokens", "3",
+                stdin="some piped text")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    plain = run_cli("ask", "summarize", "--model", str(tiny_model_dir), "--json", "--max-tokens", "3")
+    assert len(out["prompt_token_ids"]) > len(json.loads(plain.stdout)["prompt_token_ids"])
+    streamed = run_cli("ask", "hello", "--model", str(tiny_model_dir), "--max-tokens", "5", "--stats",
+                       "--temperature", "0.8", "--seed", "3")
+    assert streamed.returncode == 0 and "tok/s" in streamed.stderr
+
+
+def test_ask_sampling_is_reproducible_with_a_seed(tiny_model_dir):
+    a = run_cli("ask", "hi", "--model", str(tiny_model_dir), "--json", "--max-tokens", "12", "--temperature",
+                "1.0", "--seed", "5")
+    b = run_cli("ask", "hi", "--model", str(tiny_model_dir), "--json", "--max-tokens", "12", "--temperature",
+                "1.0", "--seed", "5")
+    assert json.loads(a.stdout)["token_ids"] == json.loads(b.stdout)["token_ids"]
+
+
+def _one_line_error(r: subprocess.CompletedProcess, code: int, needle: str) -> None:
+    assert r.returncode == code
+    assert "Traceback" not in r.stderr
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and needle in lines[0], r.stderr
+
+
+def test_bad_inputs_give_one_line(tiny_model_dir, tmp_path):
+    _one_line_error(run_cli("ask", "hi", "--model", str(tmp_path / "nope")), 3, "not found")
+    other = tmp_path / "llama"
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    _one_line_error(run_cli("ask", "hi", "--model", str(other)), 3, "unsupported model_type 'llama'")
+    # a truncated safetensors file
+    trunc = tmp_path / "trunc"
+    trunc.mkdir()
+    for f in tiny_model_dir.iterdir():
+        (trunc / f.name).write_bytes(f.read_bytes())
+    data = (trunc / "model.safetensors").read_bytes()
+    (trunc / "model.safetensors").write_bytes(data[: len(data) // 2])
+    _one_line_error(run_cli("ask", "hi", "--model", str(trunc)), 3, "truncated")
+    _one_line_error(run_cli("ask", "--model", str(tiny_model_dir), stdin=""), 2, "no prompt")
+    _one_line_error(run_cli("ask", "hi", "--model", str(tiny_model_dir), "--max-tokens", "0"), 2, "--max-tokens")
+    _one_line_error(run_cli("ask", "hi", "--model", str(tiny_model_dir), "--max-context", "40",
+                            stdin="a long piece of text " * 30), 3, "context holds 40")
+
+
+def test_missing_and_misshapen_tensors_are_named(tiny_model_dir, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from sparkchat.engine.errors import ModelError
+    from sparkchat.engine.session import Engine
+
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for f in tiny_model_dir.iterdir():
+        (broken / f.name).write_bytes(f.read_bytes())
+    t = load_file(str(broken / "model.safetensors"))
+    del t["model.layers.0.attention.q_proj.weight"]
+    save_file(t, str(broken / "model.safetensors"))
+    with pytest.raises(ModelError, match=r"model.layers.0.attention.q_proj.weight is missing"):
+        Engine.load(broken, device="cpu")
+    t["model.layers.0.attention.q_proj.weight"] = t["model.layers.0.attention.k_proj.weight"][:5].clone()
+    save_file(t, str(broken / "model.safetensors"))
+    with pytest.raises(ModelError, match=r"q_proj.weight in model.safetensors has shape \[5, 64\]"):
+        Engine.load(broken, device="cpu")
+
+
+def test_help_lists_every_ask_flag(capsys):
+    with pytest.raises(SystemExit):
+        main(["ask", "--help"])
+    text = capsys.readouterr().out
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    for flag in ("--model", "--max-tokens", "--temperature", "--top-p", "--top-k", "--seed", "--device",
+                 "--dtype", "--system", "--json", "--stats", "--think", "--max-context", "--mtp",
+                 "--draft-steps", "--fp8-head", "--mxfp4-kernels"):
+        assert flag in text
+        assert flag in readme, f"{flag} is not documented in the README"

@@ -1,0 +1,163 @@
+"""Pieces transformers does not cover: the SwiGLU clamp, KDA prefill vs decode, absorbed vs expanded
+MLA, multi-turn state reuse, and config parsing."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from sparkchat.engine.config import ModelConfig
+from sparkchat.engine.errors import ModelError
+from sparkchat.engine.loader import load_model
+from sparkchat.engine.nn.mla import MLACache, MultiLatentAttention
+from sparkchat.engine.nn.moe import swiglu
+from sparkchat.engine.nn.rope import RotaryEmbedding
+from sparkchat.engine.state import ConversationState
+from tests.tiny import build_reference, save_reference
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    ref = build_reference(seed=11)
+    path = save_reference(ref, tmp_path_factory.mktemp("u") / "m")
+    return path
+
+
+def _load(path, **cfg_overrides):
+    cfg = ModelConfig.from_dir(path)
+    for k, v in cfg_overrides.items():
+        setattr(cfg, k, v)
+    model = load_model(path, cfg, "cpu", torch.float32, 256)
+    return model, cfg
+
+
+def _state(cfg):
+    return ConversationState.allocate(cfg, 256, "cpu", torch.float32)
+
+
+def test_swiglu_clamp_values():
+    gate = torch.tensor([-10.0, 0.0, 2.0, 10.0, 10.0])
+    up = torch.tensor([1.0, 5.0, -9.0, 9.0, -0.5])
+    out = swiglu(gate, up, limit=4.0)
+    silu = torch.nn.functional.silu(gate)
+    expected = torch.minimum(silu, torch.tensor(4.0)) * up.clamp(-4, 4)
+    assert torch.allclose(out, expected)
+    assert out[3].item() == pytest.approx(16.0)  # silu(10)≈10 → 4, up 9 → 4
+    assert out[2].item() == pytest.approx(torch.nn.functional.silu(torch.tensor(2.0)).item() * -4)
+    assert torch.allclose(swiglu(gate, up, 0.0), silu * up)  # limit 0 = no clamp
+
+
+def test_clamp_limits_reach_the_experts(tiny, tmp_path):
+    raw = json.loads((tiny / "config.json").read_text())
+    raw["expert_swiglu_limit_list"] = [0, 0.05, 0, 0.05]
+    raw["share_expert_swiglu_limit_list"] = [0, 0, 0.07, 0]
+    cfg = ModelConfig.from_dict(raw)
+    model = load_model(tiny, cfg, "cpu", torch.float32, 64)
+    assert model.layers[1].mlp.experts.limit == 0.05 and model.layers[2].mlp.experts.limit == 0.0
+    assert model.layers[2].mlp.shared_experts.limit == 0.07
+    base, _ = _load(tiny)
+    ids = torch.arange(2, 30)
+    a = model.lm_head(model(ids, 0, _state(cfg))[0])
+    b = base.lm_head(base(ids, 0, _state(cfg))[0])
+    assert (a - b).abs().max() > 1e-3  # a tight clamp changes the output
+
+
+def test_kda_chunked_prefill_equals_token_by_token_decode(tiny):
+    model, cfg = _load(tiny)
+    ids = torch.randint(0, cfg.vocab_size, (70,), generator=torch.Generator().manual_seed(1))
+    s1, s2 = _state(cfg), _state(cfg)
+    prefill = model.lm_head(model(ids, 0, s1)[0])  # 70 tokens: chunked KDA, expanded MLA
+    steps = torch.cat([model.lm_head(model(ids[i:i + 1], i, s2)[0]) for i in range(len(ids))])
+    assert torch.allclose(prefill, steps, atol=1e-4, rtol=1e-4)
+    for i in cfg.kda_layers:
+        assert torch.allclose(s1.kda[i].recurrent, s2.kda[i].recurrent, atol=1e-5)
+        assert torch.allclose(s1.kda[i].conv, s2.kda[i].conv, atol=1e-5)
+
+
+def test_absorbed_mla_equals_expanded():
+    torch.manual_seed(0)
+    attn = MultiLatentAttention(hidden=48, heads=3, nope=16, rope=8, v_dim=12, rank=20, eps=1e-6)
+    for lin in (attn.q_proj, attn.kv_a_proj_with_mqa, attn.kv_b_proj, attn.dense, attn.g_proj):
+        lin.set_weight(torch.randn(lin.out_features, lin.in_features) * 0.2)
+    rotary = RotaryEmbedding(8, 1e4, 64, None)
+    x = torch.randn(9, 48)
+
+    def run(absorbed: bool):
+        cache = MLACache(torch.zeros(64, 20), torch.zeros(64, 8))
+        first = attn(x[:6], 0, cache, rotary, absorbed=absorbed)
+        second = attn(x[6:], 6, cache, rotary, absorbed=absorbed)
+        return torch.cat([first, second])
+
+    assert torch.allclose(run(True), run(False), atol=1e-5)
+
+
+def test_second_turn_prefills_only_new_tokens_and_matches_full_prefill(tiny):
+    model, cfg = _load(tiny)
+    g = torch.Generator().manual_seed(2)
+    turn1 = torch.randint(0, cfg.vocab_size, (25,), generator=g)
+    turn2 = torch.randint(0, cfg.vocab_size, (17,), generator=g)
+    kept = _state(cfg)
+    model(turn1, 0, kept)
+    incremental = model.lm_head(model(turn2, 25, kept)[0])
+    whole = model.lm_head(model(torch.cat([turn1, turn2]), 0, _state(cfg))[0])[25:]
+    assert torch.allclose(incremental, whole, atol=1e-4, rtol=1e-4)
+
+
+def test_engine_keeps_state_between_turns(tiny_model_dir):
+    from sparkchat.engine.events import SamplingParams, Switches
+    from sparkchat.engine.session import Engine
+
+    engine = Engine.load(tiny_model_dir, device="cpu", max_context=512)
+    engine.set_switches(Switches(mtp=False, fp8_head=False))
+    first_prompt = engine.tokenizer.encode_chat([{"role": "user", "content": "hello there"}])
+    first = list(engine.generate_ids(first_prompt, SamplingParams(max_tokens=6)))
+    assert first[-1].stats.prefilled_tokens == len(first_prompt)
+    kept = list(engine.state.token_ids)
+    assert kept[: len(first_prompt)] == first_prompt and len(kept) > len(first_prompt)
+    turn2 = kept + engine.tokenizer.encode("<|role_end|><role>HUMAN</role>and again<|role_end|>")
+    reused = [e.token_ids for e in engine.generate_ids(turn2, SamplingParams(max_tokens=8))]
+    assert list(engine.generate_ids(turn2, SamplingParams(max_tokens=1)))[-1].stats.prefilled_tokens == len(turn2)
+    engine.reset()
+    fresh = [e.token_ids for e in engine.generate_ids(turn2, SamplingParams(max_tokens=8))]
+    assert reused == fresh  # reusing the kept state answers exactly as prefilling everything
+
+
+def test_engine_prefills_only_the_new_turn(tiny_model_dir):
+    from sparkchat.engine.events import SamplingParams, Switches
+    from sparkchat.engine.session import Engine
+
+    engine = Engine.load(tiny_model_dir, device="cpu", max_context=512)
+    engine.set_switches(Switches(mtp=False, fp8_head=False))
+    prompt = engine.tokenizer.encode_chat([{"role": "user", "content": "hello there"}])
+    list(engine.generate_ids(prompt, SamplingParams(max_tokens=6)))
+    turn2 = list(engine.state.token_ids) + [7, 8, 9]
+    stats = list(engine.generate_ids(turn2, SamplingParams(max_tokens=2)))[-1].stats
+    assert stats.prefilled_tokens == 3 and stats.prompt_tokens == len(turn2)
+
+
+def test_config_refuses_other_models():
+    with pytest.raises(ModelError, match="unsupported model_type 'llama'"):
+        ModelConfig.from_dict({"model_type": "llama"})
+    ling26 = {"model_type": "bailing_hybrid", "hidden_size": 8}
+    with pytest.raises(ModelError, match="Ling-2.6"):
+        ModelConfig.from_dict(ling26)
+
+
+def test_config_missing_key_and_derived_layers():
+    base = {"model_type": "bailing_hybrid", "short_conv_kernel_size": 4}
+    with pytest.raises(ModelError, match="missing required keys: hidden_size"):
+        ModelConfig.from_dict(base)
+    full = dict(base, hidden_size=2560, num_hidden_layers=42, num_attention_heads=32, vocab_size=157184,
+                num_experts=512, num_experts_per_tok=8, moe_intermediate_size=768, kv_lora_rank=512,
+                qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, eos_token_id=156895,
+                expert_swiglu_limit_list=[0] * 35 + [4] * 7, num_nextn_predict_layers=1)
+    cfg = ModelConfig.from_dict(full)
+    assert cfg.mla_layers == [5, 11, 17, 23, 29, 35, 41]
+    assert len(cfg.kda_layers) == 35
+    assert cfg.mlp_layer_types[:3] == ["dense", "dense", "sparse"]
+    assert cfg.expert_swiglu_limit_list[35] == 4.0 and cfg.share_expert_swiglu_limit_list == [0.0] * 42
+    assert cfg.eos_token_id == [156895] and cfg.has_mtp
+    with pytest.raises(ModelError, match="rope_scaling"):
+        ModelConfig.from_dict(dict(full, rope_scaling={"rope_type": "longrope"}))
