@@ -110,3 +110,28 @@ def add_mtp_layer(path: Path, seed: int = 1, agree_with: Path | None = None) -> 
     raw.pop("num_mtp_layers", None)
     raw["num_nextn_predict_layers"] = 1
     (path / "config.json").write_text(json.dumps(raw, indent=2))
+
+
+def make_draft_agree(path: Path, eps: float = 0.05) -> None:
+    """Turn a tiny model with an MTP layer into one whose draft mostly agrees with the target.
+
+    Every block's output projection is scaled by `eps`, so each hidden state is close to its token's
+    embedding; the MTP layer passes the next token's embedding straight through (eh_proj = [I | 0])
+    and shares the main model's final norm weight. The draft then predicts almost exactly what the
+    target will, giving high (but not perfect) acceptance.
+    """
+    main = load_file(str(path / "model.safetensors"))
+    mtp = load_file(str(path / "mtp.safetensors"))
+    outputs = (".attention.dense.weight", ".attention.o_proj.weight", ".down_proj.weight")
+    for tensors in (main, mtp):
+        for name in tensors:
+            if name.endswith(outputs):
+                tensors[name] = tensors[name] * eps
+    raw = json.loads((path / "config.json").read_text())
+    n, H = raw["num_hidden_layers"], raw["hidden_size"]
+    p = f"model.layers.{n}"
+    mtp[f"{p}.eh_proj.weight"] = torch.cat([torch.eye(H), torch.zeros(H, H)], dim=1)
+    mtp[f"{p}.enorm.weight"] = torch.ones(H)
+    mtp[f"{p}.final_layernorm.weight"] = main["model.norm.weight"].clone()
+    save_file(main, str(path / "model.safetensors"))
+    save_file(mtp, str(path / "mtp.safetensors"))

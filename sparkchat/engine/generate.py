@@ -90,7 +90,7 @@ class Decoder:
             if j:
                 ids = torch.tensor([tokens[-1]], device=self.device)
                 m = self.model.draft(ids, m, pos + j - 1, self.state.mtp)
-            logits = self.model.lm_head(m)  # the very same head module as the target
+            logits = self.model.draft_logits(m)  # the very same head module as the target
             if params.temperature > 0:
                 q = probabilities(logits, params)
                 qs.append(q[0])

@@ -151,6 +151,10 @@ class LingModel(nn.Module):
                 kept[layer.idx] = steps
         return self.norm(x), kept
 
+    def draft_logits(self, mtp_hidden: torch.Tensor) -> torch.Tensor:
+        """The draft's logits: through the target's own head module, whatever its precision."""
+        return self.lm_head(mtp_hidden)
+
     @torch.inference_mode()
     def draft(self, next_ids: torch.Tensor, hidden: torch.Tensor, start: int, cache: MLACache) -> torch.Tensor:
         """One MTP step over T slots: slot t combines the main hidden at position start+t with the token
