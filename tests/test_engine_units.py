@@ -11,7 +11,7 @@ import torch
 from sparkchat.engine.config import ModelConfig
 from sparkchat.engine.errors import ModelError
 from sparkchat.engine.loader import load_model
-from sparkchat.engine.nn.mla import MLACache, MultiLatentAttention
+from sparkchat.engine.nn.mla import MLACache, MultiLatentAttention, Span
 from sparkchat.engine.nn.moe import swiglu
 from sparkchat.engine.nn.rope import RotaryEmbedding
 from sparkchat.engine.state import ConversationState
@@ -86,8 +86,8 @@ def test_absorbed_mla_equals_expanded():
 
     def run(absorbed: bool):
         cache = MLACache(torch.zeros(64, 20), torch.zeros(64, 8))
-        first = attn(x[:6], 0, cache, rotary, absorbed=absorbed)
-        second = attn(x[6:], 6, cache, rotary, absorbed=absorbed)
+        first = attn(x[:6], Span.contiguous(0, 6, "cpu"), cache, rotary, absorbed=absorbed)
+        second = attn(x[6:], Span.contiguous(6, 3, "cpu"), cache, rotary, absorbed=absorbed)
         return torch.cat([first, second])
 
     assert torch.allclose(run(True), run(False), atol=1e-5)
@@ -161,3 +161,17 @@ def test_config_missing_key_and_derived_layers():
     assert cfg.eos_token_id == [156895] and cfg.has_mtp
     with pytest.raises(ModelError, match="rope_scaling"):
         ModelConfig.from_dict(dict(full, rope_scaling={"rope_type": "longrope"}))
+
+
+def test_fixed_bucket_span_equals_contiguous(tiny):
+    """CUDA graphs attend over a fixed bucket of cache rows with positions as a tensor: same result."""
+    model, cfg = _load(tiny)
+    ids = torch.randint(0, cfg.vocab_size, (30,), generator=torch.Generator().manual_seed(4))
+    a, b = _state(cfg), _state(cfg)
+    model(ids[:20], 0, a)
+    model(ids[:20], 0, b)
+    for pos in range(20, 30):
+        x = ids[pos:pos + 1]
+        ea = model.lm_head(model(x, pos, a)[0])
+        eb = model.lm_head(model(x, pos, b, span=Span(torch.tensor([pos]), attend=128))[0])
+        assert torch.allclose(ea, eb, atol=1e-5)

@@ -12,7 +12,7 @@ from torch import nn
 from sparkchat.engine.config import ModelConfig
 from sparkchat.engine.nn.kda import KDASteps, KimiDeltaAttention
 from sparkchat.engine.nn.linear import Linear
-from sparkchat.engine.nn.mla import MLACache, MultiLatentAttention
+from sparkchat.engine.nn.mla import MLACache, MultiLatentAttention, Span
 from sparkchat.engine.nn.moe import MLP, MoE
 from sparkchat.engine.nn.norm import RMSNorm
 from sparkchat.engine.nn.rope import RotaryEmbedding
@@ -51,12 +51,12 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp = _moe(cfg, cfg.expert_swiglu_limit_list[idx], cfg.share_expert_swiglu_limit_list[idx])
 
-    def forward(self, x: torch.Tensor, start: int, state: ConversationState, rotary: RotaryEmbedding,
+    def forward(self, x: torch.Tensor, span: Span, state: ConversationState, rotary: RotaryEmbedding,
                 keep_steps: bool) -> tuple[torch.Tensor, KDASteps | None]:
         h = self.input_layernorm(x)
         steps = None
         if self.is_mla:
-            h = self.attention(h, start, state.mla[self.idx], rotary, absorbed=x.shape[0] <= 8)
+            h = self.attention(h, span, state.mla[self.idx], rotary, absorbed=x.shape[0] <= 8)
         else:
             chunked = x.shape[0] >= CHUNKED_PREFILL_MIN_TOKENS
             h, steps = self.attention(h, state.kda[self.idx], keep_steps=keep_steps, chunked=chunked)
@@ -81,10 +81,10 @@ class MTPLayer(nn.Module):
         self.mlp = _moe(cfg, 0.0, 0.0)  # the limit lists cover the main layers only
         self.final_layernorm = RMSNorm(H, cfg.rms_norm_eps)
 
-    def forward(self, token_embeds: torch.Tensor, hidden: torch.Tensor, start: int, cache: MLACache,
+    def forward(self, token_embeds: torch.Tensor, hidden: torch.Tensor, span: Span, cache: MLACache,
                 rotary: RotaryEmbedding) -> torch.Tensor:
         x = self.eh_proj(torch.cat([self.enorm(token_embeds), self.hnorm(hidden)], dim=-1))
-        x = x + self.attention(self.input_layernorm(x), start, cache, rotary, absorbed=x.shape[0] <= 8)
+        x = x + self.attention(self.input_layernorm(x), span, cache, rotary, absorbed=x.shape[0] <= 8)
         x = x + self.mlp(self.post_attention_layernorm(x))
         return self.final_layernorm(x)
 
@@ -136,17 +136,18 @@ class LingModel(nn.Module):
         return self.embed[ids]
 
     @torch.inference_mode()
-    def forward(self, ids: torch.Tensor, start: int, state: ConversationState,
-                keep_steps: bool = False) -> tuple[torch.Tensor, dict[int, KDASteps]]:
+    def forward(self, ids: torch.Tensor, start: int, state: ConversationState, keep_steps: bool = False,
+                span: Span | None = None) -> tuple[torch.Tensor, dict[int, KDASteps]]:
         """Run T new tokens at positions start.. through the layers, updating `state`.
 
         Returns the final hidden states after `model.norm` [T, H] (what the head and the MTP layer read)
         and, with keep_steps, each KDA layer's per-position states for rollback.
         """
+        span = span or Span.contiguous(start, ids.shape[0], ids.device)
         x = self.embed_tokens(ids)
         kept: dict[int, KDASteps] = {}
         for layer in self.layers:
-            x, steps = layer(x, start, state, self.rotary, keep_steps)
+            x, steps = layer(x, span, state, self.rotary, keep_steps)
             if steps is not None:
                 kept[layer.idx] = steps
         return self.norm(x), kept
@@ -156,7 +157,9 @@ class LingModel(nn.Module):
         return self.lm_head(mtp_hidden)
 
     @torch.inference_mode()
-    def draft(self, next_ids: torch.Tensor, hidden: torch.Tensor, start: int, cache: MLACache) -> torch.Tensor:
+    def draft(self, next_ids: torch.Tensor, hidden: torch.Tensor, start: int, cache: MLACache,
+              span: Span | None = None) -> torch.Tensor:
         """One MTP step over T slots: slot t combines the main hidden at position start+t with the token
         at start+t+1. Returns the MTP hidden after its final_layernorm [T, H]."""
-        return self.mtp(self.embed_tokens(next_ids), hidden, start, cache, self.rotary)
+        span = span or Span.contiguous(start, next_ids.shape[0], next_ids.device)
+        return self.mtp(self.embed_tokens(next_ids), hidden, span, cache, self.rotary)

@@ -19,6 +19,19 @@ from sparkchat.engine.nn.rope import RotaryEmbedding, apply_rope_interleaved
 
 
 @dataclass
+class Span:
+    """Where T new tokens sit: their positions (a device tensor, so a CUDA graph can replay the step at
+    any position) and how many cache rows attention reads (fixed per graph: a context bucket)."""
+
+    pos: torch.Tensor  # [T] int64
+    attend: int
+
+    @classmethod
+    def contiguous(cls, start: int, count: int, device: torch.device | str) -> "Span":
+        return cls(torch.arange(start, start + count, device=device), start + count)
+
+
+@dataclass
 class MLACache:
     latent: torch.Tensor  # [max_ctx, kv_lora_rank]
     rope_key: torch.Tensor  # [max_ctx, qk_rope_head_dim]
@@ -36,7 +49,7 @@ class MultiLatentAttention(nn.Module):
         self.g_proj = Linear(hidden, heads)
         self.softmax_scale = (nope + rope) ** -0.5
 
-    def forward(self, x: torch.Tensor, start: int, cache: MLACache, rotary: RotaryEmbedding,
+    def forward(self, x: torch.Tensor, span: Span, cache: MLACache, rotary: RotaryEmbedding,
                 absorbed: bool) -> torch.Tensor:
         T = x.shape[0]
         h = self.heads
@@ -44,16 +57,16 @@ class MultiLatentAttention(nn.Module):
         q_nope, q_rope = q.split([self.nope, self.rope], dim=-1)
         latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope], dim=-1)
         latent = self.kv_a_layernorm(latent)
-        cos, sin = rotary.cos[start:start + T], rotary.sin[start:start + T]
+        cos, sin = rotary.cos[span.pos], rotary.sin[span.pos]
         q_rope = apply_rope_interleaved(q_rope, cos, sin)
         k_rope = apply_rope_interleaved(k_rope.unsqueeze(1), cos, sin).squeeze(1)
-        end = start + T
-        cache.latent[start:end] = latent
-        cache.rope_key[start:end] = k_rope
+        cache.latent.index_copy_(0, span.pos, latent)
+        cache.rope_key.index_copy_(0, span.pos, k_rope)
+        end = span.attend
         C, KR = cache.latent[:end], cache.rope_key[:end]
         scale = self.softmax_scale * rotary.softmax_mscale
-        # query t sits at position start+t and sees keys 0..start+t
-        mask = torch.arange(end, device=x.device)[None, :] <= torch.arange(start, end, device=x.device)[:, None]
+        # query t at position pos[t] sees keys 0..pos[t]; rows past it (stale or unused) are masked
+        mask = torch.arange(end, device=x.device)[None, :] <= span.pos[:, None]
         w_kv = self.kv_b_proj.dense_weight(x.dtype).view(h, self.nope + self.v_dim, self.rank)
         if absorbed:
             w_uk, w_uv = w_kv[:, : self.nope], w_kv[:, self.nope:]  # [h, nope, r], [h, v, r]
