@@ -148,3 +148,23 @@ def test_online_mxfp4_quantization_of_plain_experts(plain_dir):
     up = w13[cfg.moe_intermediate_size:]
     assert (up - plain).abs().max() <= plain.abs().max() * 0.25
     assert (up - plain).abs().max() > 0  # really quantized
+
+
+def test_fused_projections_equal_the_separate_ones(plain_dir, tmp_path):
+    rel = _write_release(plain_dir, tmp_path / "fp4")
+    raw = {}
+    for f in sorted(rel.glob("*.safetensors")):
+        raw.update(load_file(str(f)))
+    model = load_model(rel, ModelConfig.from_dir(rel), "cpu", torch.float32, 64)
+    mla = model.layers[1].attention  # q_proj 8·32 rows, kv_a 48, g_proj 4: padded to 128-row blocks
+    assert mla.fused is not None and mla.fused.is_fp8 and mla.fused.out_features % 128 == 0
+    x = torch.randn(3, 64)
+    fused_out = mla.fused.split(mla.fused(x))
+    for part, out, name in zip(mla.input_projections(), fused_out,
+                               ("q_proj", "kv_a_proj_with_mqa", "g_proj")):
+        p = f"model.layers.1.attention.{name}"
+        w = indep_fp8_block(raw[f"{p}.weight"], raw[f"{p}.weight_scale_inv"])
+        assert torch.allclose(out, x @ w.T, atol=1e-5)
+        assert part.weight.untyped_storage().data_ptr() == mla.fused.weight.untyped_storage().data_ptr()
+    kda = model.layers[0].attention
+    assert kda.fused is not None and len(kda.fused.sizes) == 5

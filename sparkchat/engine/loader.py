@@ -175,4 +175,5 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, device: torch.device | s
         if progress:
             progress(total, total)
     reader.close()
+    model.fuse_projections()
     return model.to(device)

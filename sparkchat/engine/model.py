@@ -11,7 +11,7 @@ from torch import nn
 
 from sparkchat.engine.config import ModelConfig
 from sparkchat.engine.nn.kda import KDASteps, KimiDeltaAttention
-from sparkchat.engine.nn.linear import Linear
+from sparkchat.engine.nn.linear import FusedLinear, Linear
 from sparkchat.engine.nn.mla import MLACache, MultiLatentAttention, Span
 from sparkchat.engine.nn.moe import MLP, MoE
 from sparkchat.engine.nn.norm import RMSNorm
@@ -131,6 +131,18 @@ class LingModel(nn.Module):
         self.lm_head = LMHead(cfg.hidden_size, cfg.vocab_size)
         self.mtp = MTPLayer(cfg) if cfg.has_mtp else None
         self.rotary = RotaryEmbedding(cfg.qk_rope_head_dim, cfg.rope_theta, max_context, cfg.rope_scaling, device)
+
+    def fuse_projections(self) -> None:
+        """Fuse projections that read the same input (KDA q|k|v|f|g, MLA q|kv_a|g, MLP gate|up) into one
+        weight each, so a decode step streams them in one launch."""
+        for m in self.modules():
+            if hasattr(m, "input_projections") and m.fused is None:
+                parts = m.input_projections()
+                if FusedLinear.can_fuse(parts):
+                    m.fused = FusedLinear(parts)
+
+    def linears(self) -> list[Linear]:
+        return [m for m in self.modules() if isinstance(m, Linear)]
 
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
         return self.embed[ids]

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sparkchat.engine.nn.linear import Linear
+from sparkchat.engine.nn.linear import FusedLinear, Linear, project
 from sparkchat.engine.nn.norm import gated_rms_norm
 
 
@@ -102,19 +102,24 @@ class KimiDeltaAttention(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(heads), requires_grad=False)
         self.dt_bias = nn.Parameter(torch.zeros(D), requires_grad=False)
         self.o_norm_weight = nn.Parameter(torch.ones(head_dim), requires_grad=False)
+        self.fused: FusedLinear | None = None  # q|k|v|f|g in one weight, set at load time
 
-    def gate(self, x: torch.Tensor) -> torch.Tensor:
-        """Per-channel log-decay g ≤ 0, [T, heads, dk]."""
-        f = self.f_proj(x).float().view(-1, self.heads, self.head_dim) + self.dt_bias.view(self.heads, -1)
+    def input_projections(self) -> list[Linear]:
+        return [self.q_proj, self.k_proj, self.v_proj, self.f_proj, self.g_proj]
+
+    def gate(self, f: torch.Tensor) -> torch.Tensor:
+        """Per-channel log-decay g ≤ 0, [T, heads, dk], from f_proj's output."""
+        f = f.float().view(-1, self.heads, self.head_dim) + self.dt_bias.view(self.heads, -1)
         rate = self.A_log.exp().view(1, -1, 1)
         g = self.lower_bound * torch.sigmoid(rate * f) if self.safe_gate else -rate * F.softplus(f)
-        return g.to(x.dtype)
+        return g
 
     def forward(self, x: torch.Tensor, state: KDAState, keep_steps: bool = False,
                 chunked: bool = False) -> tuple[torch.Tensor, KDASteps | None]:
         T = x.shape[0]
         h, d = self.heads, self.head_dim
-        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)  # [T, 3D]
+        q, k, v, f, out_gate = project(self.fused, self.input_projections(), x)
+        qkv = torch.cat([q, k, v], dim=-1)  # [T, 3D]
         window = torch.cat([state.conv.to(qkv.dtype), qkv], dim=0)  # [K-1+T, 3D]
         w = self.conv_weight  # [3D, K] fp32
         win32 = window.float()
@@ -124,7 +129,7 @@ class KimiDeltaAttention(nn.Module):
         q, k, v = (t.reshape(T, h, d).float() for t in qkv.split(h * d, dim=-1))
         q = l2norm(q) * d ** -0.5
         k = l2norm(k)
-        g = self.gate(x).float()
+        g = self.gate(f).to(x.dtype).float()  # the reference rounds the gate to the model dtype
         beta = torch.sigmoid(self.b_proj(x)).float()
         if chunked and not keep_steps:
             o, S = kda_chunked(q, k, v, g, beta, state.recurrent)
@@ -134,6 +139,6 @@ class KimiDeltaAttention(nn.Module):
             steps = KDASteps(window, rec_steps) if keep_steps else None
         state.recurrent.copy_(S)
         o = o.to(x.dtype)
-        gate = self.g_proj(x).view(T, h, d)
+        gate = out_gate.reshape(T, h, d)
         o = gated_rms_norm(o, gate, self.o_norm_weight, self.eps).reshape(T, h * d)
         return self.o_proj(o), steps

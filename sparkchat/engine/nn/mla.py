@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sparkchat.engine.nn.linear import Linear
+from sparkchat.engine.nn.linear import FusedLinear, Linear, project
 from sparkchat.engine.nn.norm import RMSNorm
 from sparkchat.engine.nn.rope import RotaryEmbedding, apply_rope_interleaved
 
@@ -48,14 +48,18 @@ class MultiLatentAttention(nn.Module):
         self.dense = Linear(heads * v_dim, hidden)
         self.g_proj = Linear(hidden, heads)
         self.softmax_scale = (nope + rope) ** -0.5
+        self.fused: FusedLinear | None = None  # q_proj|kv_a_proj_with_mqa|g_proj, set at load time
+
+    def input_projections(self) -> list[Linear]:
+        return [self.q_proj, self.kv_a_proj_with_mqa, self.g_proj]
 
     def forward(self, x: torch.Tensor, span: Span, cache: MLACache, rotary: RotaryEmbedding,
                 absorbed: bool) -> torch.Tensor:
         T = x.shape[0]
         h = self.heads
-        q = self.q_proj(x).view(T, h, self.nope + self.rope)
-        q_nope, q_rope = q.split([self.nope, self.rope], dim=-1)
-        latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope], dim=-1)
+        q, kv_a, g = project(self.fused, self.input_projections(), x)
+        q_nope, q_rope = q.reshape(T, h, self.nope + self.rope).split([self.nope, self.rope], dim=-1)
+        latent, k_rope = kv_a.split([self.rank, self.rope], dim=-1)
         latent = self.kv_a_layernorm(latent)
         cos, sin = rotary.cos[span.pos], rotary.sin[span.pos]
         q_rope = apply_rope_interleaved(q_rope, cos, sin)
@@ -82,6 +86,6 @@ class MultiLatentAttention(nn.Module):
             qh = torch.cat([q_nope, q_rope], dim=-1).transpose(0, 1)  # [h, T, d]
             o = F.scaled_dot_product_attention(qh, k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask,
                                                scale=scale).transpose(0, 1)
-        gate = torch.sigmoid(self.g_proj(x).float()).to(x.dtype)  # one gate per head
+        gate = torch.sigmoid(g.float()).to(x.dtype)  # one gate per head
         o = o * gate.unsqueeze(-1)
         return self.dense(o.reshape(T, h * self.v_dim))

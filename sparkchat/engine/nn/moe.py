@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sparkchat.engine.nn.linear import Linear
+from sparkchat.engine.nn.linear import FusedLinear, Linear, project
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
@@ -28,9 +28,14 @@ class MLP(nn.Module):
         self.gate_proj, self.up_proj = Linear(hidden, inter), Linear(hidden, inter)
         self.down_proj = Linear(inter, hidden)
         self.limit = limit
+        self.fused: FusedLinear | None = None  # gate|up in one weight, set at load time
+
+    def input_projections(self) -> list[Linear]:
+        return [self.gate_proj, self.up_proj]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x), self.limit))
+        gate, up = project(self.fused, self.input_projections(), x)
+        return self.down_proj(swiglu(gate, up, self.limit))
 
 
 class Router(nn.Module):
