@@ -1,0 +1,161 @@
+"""sparkchat.settings: TOML round trip, errors with file and line, overrides."""
+
+from __future__ import annotations
+
+import argparse
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from sparkchat import settings as st
+from sparkchat.settings import Settings, SettingsError
+
+
+@pytest.fixture(autouse=True)
+def dirs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("SPARKCHAT_CONFIG_DIR", str(tmp_path / "cfg"))
+    monkeypatch.setenv("SPARKCHAT_DATA_DIR", str(tmp_path / "data"))
+    return tmp_path
+
+
+def test_dirs_follow_env(dirs: Path):
+    assert st.settings_path() == dirs / "cfg" / "settings.toml"
+    assert st.data_dir() == dirs / "data"
+
+
+def test_defaults_without_file():
+    s = st.load_settings()
+    assert s == Settings()
+    assert s.sampling.seed is None and s.switches.mtp is True
+
+
+def test_round_trip_keeps_every_value(dirs: Path):
+    s = Settings(model="/models/ling", device="cuda:1", dtype="bfloat16", thinking=False, theme="nord",
+                 endpoint="https://hf-mirror.example", system_prompt='Say "hi" \\ then\n\ttab \x01 é ✓')
+    s.switches.mtp = False
+    s.switches.draft_steps = 2
+    s.switches.cuda_graphs = False
+    s.sampling.temperature = 0.7
+    s.sampling.top_p = 0.95
+    s.sampling.top_k = 40
+    s.sampling.max_tokens = 1024
+    s.sampling.seed = 1234
+    path = st.save_settings(s)
+    assert path == dirs / "cfg" / "settings.toml"
+    assert st.load_settings() == s
+    raw = tomllib.loads(path.read_text())
+    assert raw["sampling"]["temperature"] == 0.7 and raw["switches"]["draft_steps"] == 2
+    assert raw["system_prompt"] == s.system_prompt
+
+
+def test_none_seed_is_left_out():
+    path = st.save_settings(Settings())
+    raw = tomllib.loads(path.read_text())
+    assert "seed" not in raw["sampling"]
+    assert st.load_settings().sampling.seed is None
+
+
+@pytest.mark.parametrize("value", [1e-5, 0.1, 2.0, 1e20])
+def test_floats_written_as_toml_floats(value: float):
+    s = Settings()
+    s.sampling.temperature = value
+    st.save_settings(s)
+    assert st.load_settings().sampling.temperature == value
+
+
+def test_bad_toml_names_file_and_line(dirs: Path):
+    path = dirs / "cfg" / "settings.toml"
+    path.parent.mkdir(parents=True)
+    path.write_text('model = "x"\n\ntemperature 0.7\n')
+    with pytest.raises(SettingsError) as e:
+        st.load_settings()
+    msg = str(e.value)
+    assert "\n" not in msg and str(path) in msg and "line 3" in msg
+
+
+@pytest.mark.parametrize("text, words", [
+    ("[sampling]\ntemperature = \"hot\"\n", "sampling.temperature must be a number"),
+    ("[sampling]\ntop_p = 1.5\n", "sampling.top_p"),
+    ("[switches]\nmtp = 1\n", "switches.mtp must be true or false"),
+    ("[switches]\ndraft_steps = 9\n", "switches.draft_steps"),
+    ("device = \"tpu\"\n", "device"),
+    ("switches = 3\n", "[switches] must be a table"),
+])
+def test_bad_values_name_the_key(dirs: Path, text: str, words: str):
+    path = dirs / "cfg" / "settings.toml"
+    path.parent.mkdir(parents=True)
+    path.write_text(text)
+    with pytest.raises(SettingsError) as e:
+        st.load_settings()
+    assert words in str(e.value) and str(path) in str(e.value)
+
+
+def test_unknown_keys_ignored_and_ints_accepted_for_floats(dirs: Path):
+    path = dirs / "cfg" / "settings.toml"
+    path.parent.mkdir(parents=True)
+    path.write_text('future_key = 1\ndtype = "bf16"\n[sampling]\ntemperature = 1\n[other]\nx = 2\n')
+    s = st.load_settings()
+    assert s.sampling.temperature == 1.0 and isinstance(s.sampling.temperature, float)
+    assert s.dtype == "bfloat16"
+
+
+def test_overrides_win_and_none_means_not_given():
+    s = st.load_settings()
+    out = st.apply_overrides(s, {"temperature": 0.5, "sampling.top_k": 7, "mtp": False, "seed": None,
+                                 "model": None})
+    assert out.sampling.temperature == 0.5 and out.sampling.top_k == 7 and out.switches.mtp is False
+    assert out.model == s.model and out.sampling.seed is None
+    assert s.sampling.temperature == 0.0  # the original is untouched
+    with pytest.raises(SettingsError):
+        st.apply_overrides(s, {"temprature": 0.5})
+    with pytest.raises(SettingsError):
+        st.apply_overrides(s, {"top_p": 0})
+
+
+def test_overrides_from_argparse_namespace():
+    args = argparse.Namespace(command="ask", temperature=0.3, top_p=None, think=False, system="be brief",
+                              draft_steps=2, json=True, prompt=["hi"], model=None)
+    over = st.overrides_from_args(args)
+    assert over == {"temperature": 0.3, "thinking": False, "system_prompt": "be brief", "draft_steps": 2}
+    s = st.apply_overrides(Settings(), over)
+    assert s.thinking is False and s.system_prompt == "be brief" and s.switches.draft_steps == 2
+
+
+@pytest.mark.parametrize("key, text, value", [
+    ("temperature", "0.7", 0.7), ("sampling.top_k", "40", 40), ("mtp", "off", False),
+    ("thinking", "yes", True), ("seed", "none", None), ("seed", "42", 42), ("theme", "nord", "nord"),
+])
+def test_parse_value(key: str, text: str, value):
+    assert st.parse_value(key, text) == value
+
+
+@pytest.mark.parametrize("key, text", [("temperature", "hot"), ("mtp", "maybe"), ("top_k", "1.5"),
+                                        ("max_tokens", "0"), ("nope", "1")])
+def test_parse_value_rejects(key: str, text: str):
+    with pytest.raises(SettingsError) as e:
+        st.parse_value(key, text)
+    assert "\n" not in str(e.value)
+
+
+def test_set_and_reset_value():
+    s = st.set_value(Settings(), "top_p", "0.9")
+    assert s.sampling.top_p == 0.9
+    assert st.reset_value(s, "sampling.top_p").sampling.top_p == Settings().sampling.top_p
+
+
+def test_save_refuses_invalid_settings(dirs: Path):
+    s = Settings()
+    s.sampling.top_k = -1
+    with pytest.raises(SettingsError):
+        st.save_settings(s)
+    assert not (dirs / "cfg" / "settings.toml").exists()
+
+
+def test_dumps_toml_escapes_and_rejects_nesting():
+    text = st.dumps_toml({"a": 'q"\\\n\x7f', "t": {"b": True, "c": -3}})
+    assert tomllib.loads(text) == {"a": 'q"\\\n\x7f', "t": {"b": True, "c": -3}}
+    with pytest.raises(TypeError):
+        st.dumps_toml({"t": {"u": {"v": 1}}})
+    with pytest.raises(ValueError):
+        st.dumps_toml({"bad key": 1})
