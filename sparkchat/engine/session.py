@@ -47,6 +47,17 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return _DTYPES[dtype]
 
 
+def cache_dequantized(model: LingModel) -> None:
+    """On the CPU, dequantize each FP8 linear and MXFP4 expert once, on first use, and keep it: the
+    reference path then costs a plain matmul per step (the small demo model runs fast this way)."""
+    from sparkchat.engine.nn.linear import Linear
+    from sparkchat.engine.nn.moe import Experts
+
+    for m in model.modules():
+        if isinstance(m, (Experts, Linear)):
+            m.cache_dense = True
+
+
 class Engine:
     def __init__(self, model: LingModel, tokenizer: ChatTokenizer, max_context: int, name: str,
                  model_dir: Path) -> None:
@@ -76,6 +87,8 @@ class Engine:
         if quantize_experts is None:
             quantize_experts = dev.type == "cuda"
         model = load_model(path, cfg, dev, dt, max_context, quantize_experts=quantize_experts, progress=progress)
+        if dev.type == "cpu":
+            cache_dequantized(model)
         return cls(model, tokenizer, max_context, path.name, path)
 
     # -- switches -----------------------------------------------------------------------------
@@ -94,13 +107,10 @@ class Engine:
         }
 
     def _kernels_available(self) -> tuple[bool, str | None]:
-        if self.device.type != "cuda":
-            return False, "needs a CUDA device (Triton kernels); the CPU runs the dequantize-then-matmul path"
-        try:
-            from sparkchat.engine.kernels import moe_experts_fast  # noqa: F401
-        except ImportError as e:
-            return False, f"Triton kernels unavailable: {e}"
-        return True, None
+        from sparkchat.engine.fastpath import kernels_unavailable_reason
+
+        why = kernels_unavailable_reason(self.device, self.dtype)
+        return why is None, why
 
     def set_switches(self, switches: Switches) -> None:
         """Takes effect at the next answer; weights are never reloaded."""
@@ -114,24 +124,15 @@ class Engine:
         if states["fp8_head"].on and head.fp8_weight is None:
             head.build_fp8()  # the BF16 weight stays, so the switch can go back
         head.use_fp8 = states["fp8_head"].on
-        self._set_fast_experts(states["mxfp4_kernels"].on)
+        if self._kernels_available()[0]:
+            from sparkchat.engine import fastpath
+
+            # FP8 linears always stream through the GEMV kernel on the GPU; experts and head per switch
+            fastpath.install(self.model, linears=True, experts=states["mxfp4_kernels"].on,
+                             head=states["fp8_head"].on)
         effective = {name: s.on for name, s in states.items()}
         effective["draft_steps"] = self.switches.draft_steps
         return effective
-
-    def _set_fast_experts(self, on: bool) -> None:
-        fast = None
-        if on:
-            from sparkchat.engine.kernels import moe_experts_fast
-
-            fast = moe_experts_fast
-        for moe in self._moe_blocks():
-            moe.fast_experts = fast(moe.experts) if fast and moe.experts.is_mxfp4 else None
-
-    def _moe_blocks(self) -> list[Any]:
-        from sparkchat.engine.nn.moe import MoE
-
-        return [m for m in self.model.modules() if isinstance(m, MoE)]
 
     # -- generation ---------------------------------------------------------------------------
     def reset(self) -> None:

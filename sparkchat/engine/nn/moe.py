@@ -77,6 +77,8 @@ class Experts(nn.Module):
         self.w2: torch.Tensor | None = None
         self.w13_scale: torch.Tensor | None = None
         self.w2_scale: torch.Tensor | None = None
+        self.cache_dense = False  # keep dequantized experts (CPU: small models run much faster)
+        self._dense: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     @property
     def is_mxfp4(self) -> bool:
@@ -84,12 +86,18 @@ class Experts(nn.Module):
 
     def expert_weights(self, e: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """One expert's (w13 [2I, H], w2 [H, I]) as plain tensors of `dtype`."""
+        cached = self._dense.get(e)
+        if cached is not None and cached[0].dtype == dtype:
+            return cached
         if not self.is_mxfp4:
             return self.w13[e].to(dtype), self.w2[e].to(dtype)
         from sparkchat.engine.quant import dequant_mxfp4
 
-        return (dequant_mxfp4(self.w13[e], self.w13_scale[e], dtype=dtype),
+        pair = (dequant_mxfp4(self.w13[e], self.w13_scale[e], dtype=dtype),
                 dequant_mxfp4(self.w2[e], self.w2_scale[e], dtype=dtype))
+        if self.cache_dense:
+            self._dense[e] = pair
+        return pair
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Dequantize-then-matmul over the distinct selected experts (the baseline and the oracle)."""

@@ -1,0 +1,77 @@
+"""The GPU fast path: swap Triton kernels into a loaded model's hot spots, and back out again.
+
+- FP8 block-scaled linears (decode and verify windows) → `fp8_block_gemv`;
+- routed MXFP4 experts → `mxfp4_moe` (reads only the selected experts' 4-bit weights);
+- the FP8 LM head → `fp8_head_gemv`.
+Each kernel has a pure-torch twin (the modules' own forward), which is what runs when a switch is off.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from sparkchat.engine.nn.moe import Experts, MoE
+
+
+def kernels_unavailable_reason(device: torch.device, dtype: torch.dtype) -> str | None:
+    """None when the Triton kernels can run here, else why not (one line)."""
+    if device.type != "cuda":
+        return "needs a CUDA device (Triton kernels); the CPU runs the dequantize-then-matmul path"
+    if dtype != torch.bfloat16:
+        return f"the kernels run bfloat16 activations; this engine runs {str(dtype).removeprefix('torch.')}"
+    try:
+        import triton  # noqa: F401
+
+        from sparkchat.engine.kernels import fp8_gemv, mxfp4_moe  # noqa: F401
+    except ImportError as e:
+        return f"Triton is not importable: {e}"
+    return None
+
+
+class ExpertsKernel:
+    """Experts.forward's signature, through the MXFP4 MoE kernel for decode/verify windows."""
+
+    MAX_TOKENS = 8
+
+    def __init__(self, experts: Experts) -> None:
+        self.experts = experts
+
+    def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] > self.MAX_TOKENS:
+            return self.experts(x, ids, weights)  # prefill: the reference path
+        from sparkchat.engine.kernels.mxfp4_moe import mxfp4_moe
+
+        ex = self.experts
+        return mxfp4_moe(x.contiguous(), ids.contiguous(), weights.float().contiguous(), ex.w13, ex.w13_scale,
+                         ex.w2, ex.w2_scale, ex.limit)
+
+
+def _fp8_gemv() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+    from sparkchat.engine.kernels.fp8_gemv import fp8_block_gemv
+
+    def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return fp8_block_gemv(x.contiguous(), w, scale)
+
+    return gemv
+
+
+def _fp8_head() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+    from sparkchat.engine.kernels.fp8_gemv import fp8_head_gemv
+
+    def head(h: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return fp8_head_gemv(h.contiguous(), w, scale)
+
+    return head
+
+
+def install(model, *, linears: bool, experts: bool, head: bool) -> None:
+    """Turn each kernel family on or off on `model` (a LingModel on CUDA, bf16)."""
+    gemv = _fp8_gemv() if linears else None
+    for lin in model.linears():
+        lin.fast = gemv if lin.is_fp8 and lin.weight.is_cuda else None
+    for m in model.modules():
+        if isinstance(m, MoE):
+            m.fast_experts = ExpertsKernel(m.experts) if experts and m.experts.is_mxfp4 else None
+    model.lm_head.fast_fp8 = _fp8_head() if head else None
