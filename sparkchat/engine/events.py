@@ -16,6 +16,7 @@ class SamplingParams:
     top_k: int = 0  # 0 means no top-k cut
     seed: int | None = None
     max_tokens: int = 512
+    ignore_eos: bool = False  # keep going past stop tokens (benchmarks, tests on random models)
 
 
 @dataclass

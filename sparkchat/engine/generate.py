@@ -48,15 +48,23 @@ def _sync(device: torch.device) -> None:
 class Decoder:
     """Runs the model over a ConversationState. Keeps nothing between answers but the state itself."""
 
-    def __init__(self, model: LingModel, state: ConversationState) -> None:
+    GRAPH_MAX_TOKENS = 5  # decode (1) and verify (k+1 ≤ 5) replay CUDA graphs; prefill runs eagerly
+
+    def __init__(self, model: LingModel, state: ConversationState, graphs=None) -> None:
         self.model, self.state = model, state
-        self.device = state.hidden.device if state.hidden.numel() else model.embed.device
+        self.device = model.embed.device
+        self.graphs = graphs  # a StepGraphs, or None for eager execution
 
     # -- the target model ---------------------------------------------------------------------
     def forward(self, ids: list[int], keep_steps: bool = False) -> tuple[torch.Tensor, torch.Tensor, dict]:
         """Run `ids` at the next positions; returns (hidden [T, H], logits [T, V] fp32, kept KDA steps).
         The state's token list is NOT extended here: callers commit what they keep."""
         start = self.state.length
+        if self.graphs is not None and len(ids) <= self.GRAPH_MAX_TOKENS:
+            hidden, logits, kept = self.graphs.replay("target", ids, start, keep_steps)
+            if self.state.hidden.numel():
+                self.state.hidden[start:start + len(ids)] = hidden
+            return hidden, logits, kept
         x = torch.tensor(ids, device=self.device)
         hidden, kept = self.model(x, start, self.state, keep_steps=keep_steps)
         if self.state.hidden.numel():
@@ -87,10 +95,13 @@ class Decoder:
         qs = []
         pos = self.state.length  # the next slot's position
         for j in range(k):
-            if j:
-                ids = torch.tensor([tokens[-1]], device=self.device)
-                m = self.model.draft(ids, m, pos + j - 1, self.state.mtp)
-            logits = self.model.draft_logits(m)  # the very same head module as the target
+            if j and self.graphs is not None:
+                m, logits = self.graphs.replay("draft", [tokens[-1]], pos + j - 1, hidden_in=m)
+            else:
+                if j:
+                    ids = torch.tensor([tokens[-1]], device=self.device)
+                    m = self.model.draft(ids, m, pos + j - 1, self.state.mtp)
+                logits = self.model.draft_logits(m)  # the very same head module as the target
             if params.temperature > 0:
                 q = probabilities(logits, params)
                 qs.append(q[0])
@@ -102,11 +113,12 @@ class Decoder:
 
 def generate_tokens(model: LingModel, state: ConversationState, new_ids: list[int], params: SamplingParams,
                     stop_ids: set[int], *, mtp: bool = False, draft_steps: int = 3,
-                    cancel: Event | None = None, stats: GenerationStats | None = None) -> Iterator[StepOutput]:
+                    cancel: Event | None = None, stats: GenerationStats | None = None,
+                    graphs=None) -> Iterator[StepOutput]:
     """Prefill `new_ids` on top of `state`, then decode. Yields the tokens of each step (1 for a plain
     step, 1..k+1 for a speculative one) until a stop token, max_tokens, the context end or `cancel`."""
     st = stats or GenerationStats()
-    dec = Decoder(model, state)
+    dec = Decoder(model, state, graphs)
     device = dec.device
     gen = make_generator(params, device)
     use_mtp = mtp and model.mtp is not None and draft_steps > 0

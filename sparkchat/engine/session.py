@@ -67,9 +67,10 @@ class Engine:
         self.dtype = model.embed.dtype
         self.max_context = max_context
         self.state = ConversationState.allocate(self.config, max_context, self.device, self.dtype)
-        self.switches = Switches(mtp=model.mtp is not None, fp8_head=self.device.type == "cuda",
-                                 mxfp4_kernels=self.device.type == "cuda", cuda_graphs=False)
-        self._applied: Switches | None = None
+        cuda = self.device.type == "cuda"
+        self.switches = Switches(mtp=model.mtp is not None, fp8_head=cuda, mxfp4_kernels=cuda, cuda_graphs=cuda)
+        self._graphs = None  # StepGraphs, built on first use
+        self._graph_key: tuple | None = None
 
     @classmethod
     def load(cls, model_dir: str | Path, device: str = "auto", dtype: str = "auto", max_context: int = 8192,
@@ -102,9 +103,16 @@ class Engine:
             "fp8_head": SwitchState(self.switches.fp8_head, True,
                                     None if cuda else "runs through the reference dequantization on CPU"),
             "mxfp4_kernels": SwitchState(self.switches.mxfp4_kernels and kernels_ok, kernels_ok, kernels_why),
-            "cuda_graphs": SwitchState(False, False,
-                                       "CUDA graph capture is not built yet" if cuda else "needs a CUDA device"),
+            "cuda_graphs": self._graphs_state(kernels_ok, kernels_why),
         }
+
+    def _graphs_state(self, kernels_ok: bool, kernels_why: str | None) -> SwitchState:
+        if not kernels_ok:
+            return SwitchState(False, False, f"CUDA graphs need the GPU kernels: {kernels_why}")
+        if not self.switches.mxfp4_kernels:
+            return SwitchState(False, True, "off while the MXFP4 kernels are off (the reference experts "
+                                            "path synchronizes with the host)")
+        return SwitchState(self.switches.cuda_graphs, True, None)
 
     def _kernels_available(self) -> tuple[bool, str | None]:
         from sparkchat.engine.fastpath import kernels_unavailable_reason
@@ -130,9 +138,23 @@ class Engine:
             # FP8 linears always stream through the GEMV kernel on the GPU; experts and head per switch
             fastpath.install(self.model, linears=True, experts=states["mxfp4_kernels"].on,
                              head=states["fp8_head"].on)
+        self._update_graphs(states["cuda_graphs"].on, states)
         effective = {name: s.on for name, s in states.items()}
         effective["draft_steps"] = self.switches.draft_steps
         return effective
+
+    def _update_graphs(self, on: bool, states: dict[str, SwitchState]) -> None:
+        if not on:
+            self._graphs = None
+            return
+        key = (states["fp8_head"].on, states["mxfp4_kernels"].on)
+        if self._graphs is None:
+            from sparkchat.engine.graphs import StepGraphs
+
+            self._graphs = StepGraphs(self.model, self.state)
+        elif key != self._graph_key:
+            self._graphs.clear()  # the kernels inside the graphs changed
+        self._graph_key = key
 
     # -- generation ---------------------------------------------------------------------------
     def reset(self) -> None:
@@ -170,9 +192,10 @@ class Engine:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         decoder = self.tokenizer.stream_decoder()
-        steps = generate_tokens(self.model, self.state, new_ids, params, self.tokenizer.stop_token_ids,
+        stop_ids = set() if params.ignore_eos else self.tokenizer.stop_token_ids
+        steps = generate_tokens(self.model, self.state, new_ids, params, stop_ids,
                                 mtp=stats.switches["mtp"], draft_steps=self.switches.draft_steps,
-                                cancel=cancel, stats=stats)
+                                cancel=cancel, stats=stats, graphs=self._graphs)
         try:
             for step in steps:
                 text = "".join(decoder.push(t) for t in step.tokens)

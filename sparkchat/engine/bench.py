@@ -1,0 +1,201 @@
+"""`sparkchat bench`: NVIDIA's published table, measured side by side in one run —
+baseline → +MXFP4 kernels → +FP8 head → +MTP — with TPOT, tok/s, bytes per token, achieved GB/s,
+% of the measured read bandwidth, the verify-to-decode cost ratio and a projected DGX Spark tok/s."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from sparkchat.engine.generate import Decoder
+from sparkchat.engine.model import LingModel
+from sparkchat.engine.nn.kda import KimiDeltaAttention
+from sparkchat.engine.nn.linear import Linear
+from sparkchat.engine.nn.moe import MoE
+from sparkchat.engine.state import ConversationState
+
+SPARK_READ_BW = 234e9  # bytes/s, the DGX Spark's measured read bandwidth (public report)
+PUBLISHED_ACCEPT_LENGTH = 2.68  # NVIDIA's MTP accept length on GSM8K, 3 draft steps
+
+
+@dataclass
+class BenchRow:
+    name: str
+    tpot_ms: float
+    tok_s: float
+    bytes_per_token: int | None  # None for MTP: a draft+verify cycle's bytes depend on the routing
+    gb_s: float | None
+    pct_read_bw: float | None
+    projected_spark_tok_s: float
+    note: str = ""
+
+
+@dataclass
+class BenchResult:
+    device: str
+    context: int
+    read_bw_gb_s: float
+    graphs: bool
+    rows: list[BenchRow] = field(default_factory=list)
+    verify_decode_ratio: float | None = None
+    draft_step_ms: float | None = None
+    verify_ms: float | None = None
+    accept_length: float | None = None
+    accept_length_source: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _tensor_bytes(*ts: torch.Tensor | None) -> int:
+    return sum(t.numel() * t.element_size() for t in ts if t is not None)
+
+
+def decode_bytes(model: LingModel, context: int, fp8_head: bool) -> int:
+    """Bytes one decode step reads (and KDA states also write), counted from the loaded modules."""
+    cfg = model.cfg
+    fused_parts = {id(p) for m in model.modules() if getattr(m, "fused", None) is not None
+                   for p in m.input_projections()}
+    total = 0
+    for layer in model.layers:
+        for m in layer.modules():
+            if isinstance(m, Linear) and id(m) not in fused_parts:
+                total += _tensor_bytes(m.weight, m.weight_scale_inv)
+            elif isinstance(m, MoE):
+                ex = m.experts
+                per_expert = _tensor_bytes(ex.w13[0], ex.w2[0],
+                                           ex.w13_scale[0] if ex.is_mxfp4 else None,
+                                           ex.w2_scale[0] if ex.is_mxfp4 else None)
+                total += cfg.num_experts_per_tok * per_expert + _tensor_bytes(m.gate.weight)
+            elif isinstance(m, KimiDeltaAttention):
+                total += 2 * cfg.num_attention_heads * cfg.head_dim ** 2 * 4  # fp32 state read + write
+    total += len(cfg.mla_layers) * context * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * model.embed.element_size()
+    head = model.lm_head
+    total += _tensor_bytes(head.fp8_weight, head.fp8_scale) if fp8_head else _tensor_bytes(head.weight)
+    return total
+
+
+def measure_read_bandwidth(device: torch.device) -> float:
+    """Bytes/s a large reduction reads (the figure % of bandwidth is quoted against)."""
+    n = (4 << 30) // 4 if device.type == "cuda" else (256 << 20) // 4
+    buf = torch.ones(n, device=device)
+    return buf.numel() * 4 / _median_time(lambda: buf.sum(), device, iters=10)
+
+
+def _median_time(fn: Callable[[], Any], device: torch.device, iters: int) -> float:
+    for _ in range(2):
+        fn()
+    times = []
+    for _ in range(iters):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1000)
+        else:
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def _configure(model: LingModel, experts: bool, fp8_head: bool) -> None:
+    head = model.lm_head
+    if fp8_head and head.fp8_weight is None:
+        head.build_fp8()
+    head.use_fp8 = fp8_head
+    if model.embed.is_cuda:
+        from sparkchat.engine import fastpath
+
+        fastpath.install(model, linears=True, experts=experts, head=fp8_head)
+
+
+def run_bench(model: LingModel, *, context: int = 1024, iters: int = 20, draft_steps: int = 3,
+              graphs: bool = True, accept_length: float | None = None,
+              progress: Callable[[str], None] | None = None) -> BenchResult:
+    """Measure the four configurations on `model` at a context of `context` tokens.
+
+    `accept_length`: measured on real weights by the caller; None means synthetic weights, and the
+    MTP row then uses NVIDIA's published accept length (and says so).
+    """
+    device = model.embed.device
+    cuda = device.type == "cuda"
+    use_graphs = graphs and cuda
+    state = ConversationState.allocate(model.cfg, max(context + 64, 128), device, model.embed.dtype)
+    state.token_ids = [0] * context  # decode cost does not depend on what the cache holds
+    state.mtp_length = context
+    bw = measure_read_bandwidth(device)
+    result = BenchResult(str(torch.cuda.get_device_name(device) if cuda else "cpu"), context, bw / 1e9, use_graphs)
+    say = progress or (lambda _: None)
+
+    def decode_time(experts: bool, fp8_head: bool, with_graphs: bool) -> float:
+        _configure(model, experts, fp8_head)
+        dec = Decoder(model, state, _graphs(model, state) if with_graphs else None)
+        return _median_time(lambda: dec.forward([1])[1].argmax(-1), device, iters)
+
+    rows = [("baseline (dequantize-then-matmul experts, BF16 head)", False, False),
+            ("+ MXFP4 expert kernels", True, False),
+            ("+ FP8 LM head", True, True)]
+    last = 0.0
+    for name, experts, fp8_head in rows:
+        say(name)
+        # the baseline expert path synchronizes with the host, so it cannot be captured
+        g = use_graphs and experts
+        t = decode_time(experts, fp8_head, g)
+        nbytes = decode_bytes(model, context, fp8_head)
+        result.rows.append(_row(name + (" [CUDA graph]" if g else " [eager]"), t, nbytes, bw))
+        last = t
+
+    if model.mtp is not None:
+        say("+ MTP")
+        _configure(model, True, True)
+        dec = Decoder(model, state, _graphs(model, state) if use_graphs else None)
+        k = draft_steps
+
+        def draft():
+            state.mtp_length = state.length - 1  # one catch-up slot, as after a verify
+            dec.draft(1, k, _greedy(), None)
+
+        def verify():
+            dec.forward([1] * (k + 1), keep_steps=True)[1].argmax(-1)
+
+        t_draft = _median_time(draft, device, iters)
+        t_verify = _median_time(verify, device, iters)
+        result.draft_step_ms, result.verify_ms = 1000 * t_draft / k, 1000 * t_verify
+        result.verify_decode_ratio = t_verify / last
+        al = accept_length if accept_length is not None else PUBLISHED_ACCEPT_LENGTH
+        result.accept_length = al
+        result.accept_length_source = "measured" if accept_length is not None else "assumed (NVIDIA's published 2.68)"
+        t_token = (t_draft + t_verify) / al
+        # on a bandwidth-bound machine the speed-up over plain decoding carries over to the Spark
+        spark = result.rows[-1].projected_spark_tok_s * last / t_token
+        result.rows.append(BenchRow(f"+ MTP ({k} draft steps)", 1000 * t_token, 1 / t_token, None, None, None,
+                                    spark, f"per token at accept length {al:.2f} ({result.accept_length_source})"))
+    return result
+
+
+def _greedy():
+    from sparkchat.engine.events import SamplingParams
+
+    return SamplingParams(temperature=0.0)
+
+
+def _graphs(model: LingModel, state: ConversationState):
+    from sparkchat.engine.graphs import StepGraphs
+
+    return StepGraphs(model, state)
+
+
+def _row(name: str, seconds: float, nbytes: int, bw: float) -> BenchRow:
+    achieved = nbytes / seconds
+    efficiency = achieved / bw
+    return BenchRow(name=name, tpot_ms=1000 * seconds, tok_s=1 / seconds, bytes_per_token=nbytes,
+                    gb_s=achieved / 1e9, pct_read_bw=100 * efficiency,
+                    projected_spark_tok_s=SPARK_READ_BW * efficiency / nbytes)

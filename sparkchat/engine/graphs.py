@@ -1,0 +1,100 @@
+"""CUDA graphs for the fixed-shape steps: decode (1 token), verify (k+1 tokens) and the MTP draft step.
+
+Each graph is captured once per (step kind, token count, context bucket) against the conversation
+state's own tensors, so replaying it updates that state in place. Positions live in a device buffer
+and attention reads a fixed bucket of cache rows (masked past the position), so one graph serves every
+position inside its bucket. Capture runs the step for real, so the KDA states are saved before and
+put back after; MLA cache rows it writes are rewritten by the real step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from sparkchat.engine.model import LingModel
+from sparkchat.engine.nn.mla import Span
+from sparkchat.engine.state import ConversationState
+
+BUCKET_MIN = 1024
+
+
+def bucket_for(length: int, max_context: int) -> int:
+    """The smallest power-of-two bucket (≥ BUCKET_MIN) holding `length` cache rows."""
+    b = BUCKET_MIN
+    while b < length:
+        b *= 2
+    return min(b, max_context)
+
+
+@dataclass
+class _Captured:
+    graph: torch.cuda.CUDAGraph
+    ids: torch.Tensor
+    pos: torch.Tensor
+    hidden_in: torch.Tensor | None
+    out: tuple[Any, ...]
+
+
+class StepGraphs:
+    """Captured steps for one model + one conversation state."""
+
+    def __init__(self, model: LingModel, state: ConversationState) -> None:
+        self.model, self.state = model, state
+        self.device = model.embed.device
+        self.pool = torch.cuda.graph_pool_handle()
+        self.graphs: dict[tuple, _Captured] = {}
+
+    def clear(self) -> None:
+        """Forget every graph (the kernels they call changed: a switch was flipped)."""
+        self.graphs.clear()
+
+    def _run(self, kind: str, c: _Captured, bucket: int, keep_steps: bool) -> tuple[Any, ...]:
+        span = Span(c.pos, bucket)
+        m = self.model
+        if kind == "target":
+            hidden, kept = m(c.ids, 0, self.state, keep_steps=keep_steps, span=span)
+            return hidden, m.lm_head(hidden), kept
+        with torch.inference_mode():
+            h = m.mtp(m.embed_tokens(c.ids), c.hidden_in, span, self.state.mtp, m.rotary)
+            return h, m.draft_logits(h)
+
+    def _capture(self, kind: str, T: int, bucket: int, keep_steps: bool) -> _Captured:
+        H = self.model.cfg.hidden_size
+        c = _Captured(torch.cuda.CUDAGraph(), torch.zeros(T, dtype=torch.long, device=self.device),
+                      torch.zeros(T, dtype=torch.long, device=self.device),
+                      torch.zeros(T, H, dtype=self.model.embed.dtype, device=self.device) if kind == "draft" else None,
+                      ())
+        saved = [(s.conv.clone(), s.recurrent.clone()) for s in self.state.kda.values()]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):  # warm-up: lazy initialisation and kernel compilation happen outside capture
+                self._run(kind, c, bucket, keep_steps)
+        torch.cuda.current_stream().wait_stream(side)
+        with torch.cuda.graph(c.graph, pool=self.pool):
+            c.out = self._run(kind, c, bucket, keep_steps)
+        for s, (conv, rec) in zip(self.state.kda.values(), saved):
+            s.conv.copy_(conv)
+            s.recurrent.copy_(rec)
+        return c
+
+    def replay(self, kind: str, ids: list[int], start: int, keep_steps: bool = False,
+               hidden_in: torch.Tensor | None = None) -> tuple[Any, ...]:
+        """Run a step through its graph (capturing it the first time). Returns the graph's outputs:
+        target → (hidden, logits, kept KDA steps); draft → (mtp hidden, logits). They are the graph's
+        own buffers: copy what must outlive the next replay."""
+        T = len(ids)
+        bucket = bucket_for(start + T, self.state.max_context)
+        key = (kind, T, bucket, keep_steps)
+        c = self.graphs.get(key)
+        if c is None:
+            c = self.graphs[key] = self._capture(kind, T, bucket, keep_steps)
+        c.ids.copy_(torch.tensor(ids), non_blocking=True)
+        c.pos.copy_(torch.arange(start, start + T), non_blocking=True)
+        if hidden_in is not None:
+            c.hidden_in.copy_(hidden_in)
+        c.graph.replay()
+        return c.out
