@@ -45,6 +45,10 @@ def run(args: argparse.Namespace) -> int:
     from sparkchat.engine.session import resolve_device
 
     device = resolve_device(args.device)
+    if device.type == "cuda":
+        from sparkchat.engine.nn.ops import enable_compile
+
+        enable_compile()
     accept = None
     if args.model:
         from sparkchat.cli.resolve import resolve_model

@@ -83,6 +83,7 @@ class _Loader:
         for proj in ("q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "dense", "g_proj"):
             self.linear(getattr(a, proj), f"{p}.{proj}")
         self.norm(a.kv_a_layernorm, f"{p}.kv_a_layernorm.weight")
+        a.kv_b_proj.cache_dense = True  # absorbed decode reads it as a plain matrix every step
 
     def mlp(self, m: MLP, p: str) -> None:
         for proj in ("gate_proj", "up_proj", "down_proj"):

@@ -15,6 +15,7 @@ from sparkchat.engine.nn.linear import FusedLinear, Linear
 from sparkchat.engine.nn.mla import MLACache, MultiLatentAttention, Span
 from sparkchat.engine.nn.moe import MLP, MoE
 from sparkchat.engine.nn.norm import RMSNorm
+from sparkchat.engine.nn.ops import ops
 from sparkchat.engine.nn.rope import RotaryEmbedding
 from sparkchat.engine.state import ConversationState
 
@@ -60,8 +61,9 @@ class DecoderLayer(nn.Module):
         else:
             chunked = x.shape[0] >= CHUNKED_PREFILL_MIN_TOKENS
             h, steps = self.attention(h, state.kda[self.idx], keep_steps=keep_steps, chunked=chunked)
-        x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x)), steps
+        post = self.post_attention_layernorm
+        x, h = ops.add_rms_norm(x, h, post.weight, post.eps)
+        return x + self.mlp(h), steps
 
 
 class MTPLayer(nn.Module):

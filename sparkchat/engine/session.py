@@ -90,6 +90,10 @@ class Engine:
         model = load_model(path, cfg, dev, dt, max_context, quantize_experts=quantize_experts, progress=progress)
         if dev.type == "cpu":
             cache_dequantized(model)
+        else:
+            from sparkchat.engine.nn.ops import enable_compile
+
+            enable_compile()
         return cls(model, tokenizer, max_context, path.name, path)
 
     # -- switches -----------------------------------------------------------------------------

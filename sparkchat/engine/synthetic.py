@@ -90,5 +90,10 @@ def build_synthetic(cfg: ModelConfig, device: torch.device | str, dtype: torch.d
             m.o_norm_weight.data = torch.ones_like(m.o_norm_weight, dtype=dtype)
         elif isinstance(m, RMSNorm):
             m.weight.data = torch.ones_like(m.weight, dtype=dtype)
+    from sparkchat.engine.nn.mla import MultiLatentAttention
+
+    for m in model.modules():
+        if isinstance(m, MultiLatentAttention):
+            m.kv_b_proj.cache_dense = True  # as the loader does
     model.fuse_projections()
     return model

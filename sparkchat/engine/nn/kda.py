@@ -14,6 +14,7 @@ from torch import nn
 
 from sparkchat.engine.nn.linear import FusedLinear, Linear, project
 from sparkchat.engine.nn.norm import gated_rms_norm
+from sparkchat.engine.nn.ops import ops, register
 
 
 @dataclass
@@ -107,38 +108,46 @@ class KimiDeltaAttention(nn.Module):
     def input_projections(self) -> list[Linear]:
         return [self.q_proj, self.k_proj, self.v_proj, self.f_proj, self.g_proj]
 
-    def gate(self, f: torch.Tensor) -> torch.Tensor:
-        """Per-channel log-decay g ≤ 0, [T, heads, dk], from f_proj's output."""
-        f = f.float().view(-1, self.heads, self.head_dim) + self.dt_bias.view(self.heads, -1)
-        rate = self.A_log.exp().view(1, -1, 1)
-        g = self.lower_bound * torch.sigmoid(rate * f) if self.safe_gate else -rate * F.softplus(f)
-        return g
-
     def forward(self, x: torch.Tensor, state: KDAState, keep_steps: bool = False,
                 chunked: bool = False) -> tuple[torch.Tensor, KDASteps | None]:
-        T = x.shape[0]
-        h, d = self.heads, self.head_dim
         q, k, v, f, out_gate = project(self.fused, self.input_projections(), x)
-        qkv = torch.cat([q, k, v], dim=-1)  # [T, 3D]
-        window = torch.cat([state.conv.to(qkv.dtype), qkv], dim=0)  # [K-1+T, 3D]
-        w = self.conv_weight  # [3D, K] fp32
-        win32 = window.float()
-        conv = sum(win32[j:j + T] * w[:, j] for j in range(self.conv_size))
-        qkv = F.silu(conv).to(x.dtype)
-        state.conv.copy_(window[T:])
-        q, k, v = (t.reshape(T, h, d).float() for t in qkv.split(h * d, dim=-1))
-        q = l2norm(q) * d ** -0.5
-        k = l2norm(k)
-        g = self.gate(f).to(x.dtype).float()  # the reference rounds the gate to the model dtype
-        beta = torch.sigmoid(self.b_proj(x)).float()
-        if chunked and not keep_steps:
-            o, S = kda_chunked(q, k, v, g, beta, state.recurrent)
-            steps = None
-        else:
-            o, S, rec_steps = kda_recurrent(q, k, v, g, beta, state.recurrent, keep_steps)
-            steps = KDASteps(window, rec_steps) if keep_steps else None
-        state.recurrent.copy_(S)
-        o = o.to(x.dtype)
-        gate = out_gate.reshape(T, h, d)
-        o = gated_rms_norm(o, gate, self.o_norm_weight, self.eps).reshape(T, h * d)
-        return self.o_proj(o), steps
+        core = kda_core if chunked and not keep_steps else ops.kda_core  # prefill lengths vary: not compiled
+        o, window, rec_steps = core(torch.cat([q, k, v], dim=-1), f, self.b_proj(x), out_gate, state.conv,
+                                    state.recurrent, self.conv_weight, self.A_log, self.dt_bias,
+                                    self.o_norm_weight, self.heads, self.head_dim, self.safe_gate,
+                                    self.lower_bound, self.eps, keep_steps, chunked and not keep_steps)
+        return self.o_proj(o), (KDASteps(window, rec_steps) if keep_steps else None)
+
+
+@register
+def kda_core(qkv: torch.Tensor, f: torch.Tensor, beta_logit: torch.Tensor, out_gate: torch.Tensor,
+             conv_state: torch.Tensor, recurrent: torch.Tensor, conv_w: torch.Tensor, A_log: torch.Tensor,
+             dt_bias: torch.Tensor, o_norm_w: torch.Tensor, heads: int, head_dim: int, safe_gate: bool,
+             lower_bound: float, eps: float, keep_steps: bool,
+             chunked: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Everything of a KDA layer between its input projections and o_proj, updating the conv and
+    recurrent states in place. qkv: [T, 3D] pre-conv; f, out_gate: [T, D]; beta_logit: [T, heads].
+    Returns (o [T, D] normed and gated, the conv window [K-1+T, 3D], per-position states or None)."""
+    T, dtype = qkv.shape[0], qkv.dtype
+    h, d = heads, head_dim
+    window = torch.cat([conv_state.to(dtype), qkv], dim=0)
+    win32 = window.float()
+    conv = sum(win32[j:j + T] * conv_w[:, j] for j in range(conv_w.shape[1]))  # causal depthwise conv
+    qkv = F.silu(conv).to(dtype)
+    conv_state.copy_(window[T:])
+    q, k, v = (t.reshape(T, h, d).float() for t in qkv.split(h * d, dim=-1))
+    q = l2norm(q) * d ** -0.5
+    k = l2norm(k)
+    f = f.float().view(T, h, d) + dt_bias.view(h, d)
+    rate = A_log.exp().view(1, h, 1)
+    g = lower_bound * torch.sigmoid(rate * f) if safe_gate else -rate * F.softplus(f)
+    g = g.to(dtype).float()  # the reference rounds the gate to the model dtype
+    beta = torch.sigmoid(beta_logit).float()
+    if chunked:
+        o, S = kda_chunked(q, k, v, g, beta, recurrent)
+        steps = None
+    else:
+        o, S, steps = kda_recurrent(q, k, v, g, beta, recurrent, keep_steps)
+    recurrent.copy_(S)
+    o = gated_rms_norm(o.to(dtype), out_gate.reshape(T, h, d), o_norm_w, eps).reshape(T, h * d)
+    return o, window, steps

@@ -15,6 +15,7 @@ from torch import nn
 
 from sparkchat.engine.nn.linear import FusedLinear, Linear, project
 from sparkchat.engine.nn.norm import RMSNorm
+from sparkchat.engine.nn.ops import ops, register
 from sparkchat.engine.nn.rope import RotaryEmbedding, apply_rope_interleaved
 
 
@@ -73,12 +74,7 @@ class MultiLatentAttention(nn.Module):
         mask = torch.arange(end, device=x.device)[None, :] <= span.pos[:, None]
         w_kv = self.kv_b_proj.dense_weight(x.dtype).view(h, self.nope + self.v_dim, self.rank)
         if absorbed:
-            w_uk, w_uv = w_kv[:, : self.nope], w_kv[:, self.nope:]  # [h, nope, r], [h, v, r]
-            q_latent = torch.einsum("thn,hnr->thr", q_nope, w_uk)
-            scores = torch.einsum("thr,lr->thl", q_latent, C) + torch.einsum("thp,lp->thl", q_rope, KR)
-            scores = (scores * scale).masked_fill(~mask[:, None, :], float("-inf"))
-            probs = torch.softmax(scores.float(), dim=-1).to(x.dtype)
-            o = torch.einsum("thr,hvr->thv", torch.einsum("thl,lr->thr", probs, C), w_uv)
+            o = ops.mla_absorbed(q_nope, q_rope, C, KR, w_kv, mask, scale, self.nope)
         else:
             kv = (C @ w_kv.reshape(-1, self.rank).T).view(end, h, self.nope + self.v_dim)
             k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
@@ -89,3 +85,16 @@ class MultiLatentAttention(nn.Module):
         gate = torch.sigmoid(g.float()).to(x.dtype)  # one gate per head
         o = o * gate.unsqueeze(-1)
         return self.dense(o.reshape(T, h * self.v_dim))
+
+
+@register
+def mla_absorbed(q_nope: torch.Tensor, q_rope: torch.Tensor, C: torch.Tensor, KR: torch.Tensor, w_kv: torch.Tensor,
+                 mask: torch.Tensor, scale: float, nope: int) -> torch.Tensor:
+    """Attention over the latent cache without expanding it: fold kv_b_proj's key half into q, attend
+    over c (plus the shared rope key), unfold with its value half. Returns [T, heads, v_dim]."""
+    w_uk, w_uv = w_kv[:, :nope], w_kv[:, nope:]  # [h, nope, r], [h, v, r]
+    q_latent = torch.einsum("thn,hnr->thr", q_nope, w_uk)
+    scores = torch.einsum("thr,lr->thl", q_latent, C) + torch.einsum("thp,lp->thl", q_rope, KR)
+    scores = (scores * scale).masked_fill(~mask[:, None, :], float("-inf"))
+    probs = torch.softmax(scores.float(), dim=-1).to(q_nope.dtype)
+    return torch.einsum("thr,hvr->thv", torch.einsum("thl,lr->thr", probs, C), w_uv)

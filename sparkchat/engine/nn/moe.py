@@ -11,8 +11,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from sparkchat.engine.nn.linear import FusedLinear, Linear, project
+from sparkchat.engine.nn.ops import ops, register
 
 
+@register
 def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
     """silu(gate)·up, with Ling's clamp when limit > 0: min(silu(gate), L) · clip(up, −L, L)."""
     if limit > 0:
@@ -35,7 +37,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = project(self.fused, self.input_projections(), x)
-        return self.down_proj(swiglu(gate, up, self.limit))
+        return self.down_proj(ops.swiglu(gate, up, self.limit))
 
 
 class Router(nn.Module):
@@ -49,18 +51,27 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [T, H] → (expert ids [T, k] int64, weights [T, k] fp32)."""
-        scores = torch.sigmoid(x.float() @ self.weight.float().T)  # [T, E]
-        choice = scores + self.expert_bias
-        T = x.shape[0]
-        group_scores = choice.view(T, self.groups, -1).topk(2, dim=-1).values.sum(-1)  # [T, G]
-        keep = group_scores.topk(self.top_groups, dim=-1).indices
-        group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
-        expert_mask = group_mask.repeat_interleave(self.experts // self.groups, dim=1)
-        ids = choice.masked_fill(~expert_mask, float("-inf")).topk(self.top_k, dim=-1).indices
-        weights = scores.gather(1, ids)
-        if self.renormalize:
-            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-        return ids, weights * self.scaling
+        return ops.route(x, self.weight, self.expert_bias, self.groups, self.top_groups, self.top_k,
+                         self.scaling, self.renormalize)
+
+
+@register
+def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, groups: int, top_groups: int, top_k: int,
+          scaling: float, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 sigmoid scores; choose by score + bias within the top groups (a group's score is the sum of
+    its two best); weight by the unbiased scores, renormalized, times the scaling factor."""
+    scores = torch.sigmoid(x.float() @ weight.float().T)  # [T, E]
+    choice = scores + bias
+    T, E = scores.shape
+    group_scores = choice.view(T, groups, -1).topk(2, dim=-1).values.sum(-1)  # [T, G]
+    keep = group_scores.topk(top_groups, dim=-1).indices
+    group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
+    expert_mask = group_mask.repeat_interleave(E // groups, dim=1)
+    ids = choice.masked_fill(~expert_mask, float("-inf")).topk(top_k, dim=-1).indices
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return ids, weights * scaling
 
 
 class Experts(nn.Module):

@@ -1,0 +1,59 @@
+"""Profile one decode step at Ling-3.0-flash-fp4's full shapes (synthetic weights): where the time goes.
+
+    python benchmarks/profile_step.py [--layers N] [--no-compile]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from sparkchat.engine import fastpath
+from sparkchat.engine.generate import Decoder
+from sparkchat.engine.graphs import StepGraphs
+from sparkchat.engine.nn.ops import enable_compile
+from sparkchat.engine.state import ConversationState
+from sparkchat.engine.synthetic import build_synthetic, synthetic_config
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=None)
+    ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
+    args = ap.parse_args()
+    if args.compile:
+        enable_compile()
+    cfg = synthetic_config(args.layers)
+    model = build_synthetic(cfg, "cuda", max_context=2048)
+    model.lm_head.build_fp8()
+    model.lm_head.use_fp8 = True
+    fastpath.install(model, linears=True, experts=True, head=True)
+    state = ConversationState.allocate(cfg, 2048, "cuda", torch.bfloat16)
+    state.token_ids = [0] * 1024
+    eager = Decoder(model, state)
+    for _ in range(3):
+        eager.forward([1])
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        eager.forward([1])
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    n_kernels = sum(e.count for e in events if e.device_type.name == "CUDA")
+    print(f"kernels per decode step: {n_kernels}")
+    print(events.table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70))
+    graphed = Decoder(model, state, StepGraphs(model, state))
+    for _ in range(3):
+        graphed.forward([1])
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(20):
+        graphed.forward([1])
+    end.record()
+    end.synchronize()
+    print(f"graph decode step: {start.elapsed_time(end) / 20:.3f} ms")
+
+
+if __name__ == "__main__":
+    main()

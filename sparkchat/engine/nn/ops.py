@@ -1,0 +1,46 @@
+"""The small pure-torch pieces of a decode step, gathered so they can be compiled.
+
+Each is a plain function (the reference, run as is on the CPU). On CUDA, `enable_compile()` swaps in
+torch.compile'd versions: Inductor fuses each piece's dozens of elementwise kernels into a few, which
+is most of a decode step's launch count. Call sites always go through `ops.<name>`.
+"""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+
+import torch
+
+_REFERENCE: dict[str, object] = {}
+ops = SimpleNamespace()
+
+
+def register(fn):
+    """Make `fn` available as ops.<name>, compilable."""
+    _REFERENCE[fn.__name__] = fn
+    setattr(ops, fn.__name__, fn)
+    return fn
+
+
+def enable_compile() -> bool:
+    """Compile every registered piece (CUDA only; SPARKCHAT_COMPILE=0 turns it off). Returns whether on."""
+    if os.environ.get("SPARKCHAT_COMPILE", "1") == "0":
+        return False
+    for name, fn in _REFERENCE.items():
+        setattr(ops, name, torch.compile(fn, dynamic=False, fullgraph=False))
+    return True
+
+
+def disable_compile() -> None:
+    for name, fn in _REFERENCE.items():
+        setattr(ops, name, fn)
+
+
+@register
+def add_rms_norm(x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual add, then RMSNorm of the sum (fp32 inside): returns (x + h, norm(x + h))."""
+    x = x + h
+    x32 = x.float()
+    normed = weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return x, normed

@@ -1,0 +1,96 @@
+"""The whole GPU path (Triton kernels, CUDA graphs) against the reference path, on tiny models.
+
+Skipped without CUDA. On the development GPU the tiny model directories can be passed prebuilt with
+SPARKCHAT_GPU_MODELS=DIR (holding `random/` and `agree/`), since its transformers may be older."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory) -> dict[str, Path]:
+    prebuilt = os.environ.get("SPARKCHAT_GPU_MODELS")
+    if prebuilt:
+        return {name: Path(prebuilt) / name for name in ("random", "agree")}
+    from tests.conftest import make_model_dir
+    from tests.tiny import make_draft_agree
+
+    root = tmp_path_factory.mktemp("gpu")
+    agree = make_model_dir(root / "agree", seed=3)
+    make_draft_agree(agree)
+    return {"random": make_model_dir(root / "random"), "agree": agree}
+
+
+def _greedy(engine, prompt, n=48, **switches):
+    from sparkchat.engine.events import SamplingParams, Switches
+
+    engine.set_switches(Switches(**switches))
+    engine.reset()
+    tokens, stats = [], None
+    for event in engine.generate_ids(prompt, SamplingParams(max_tokens=n, ignore_eos=True)):
+        tokens += event.token_ids
+        stats = event.stats
+    return tokens, stats
+
+
+def _teacher_forced_logits(engine, prompt, tokens, **switches):
+    """Logits after the prompt and after each of `tokens`, fed one at a time through the engine's
+    decoder with the given switches (CUDA graphs included when on)."""
+    from sparkchat.engine.events import Switches
+    from sparkchat.engine.generate import Decoder
+
+    engine.set_switches(Switches(**switches))
+    engine._apply_switches()
+    engine.reset()
+    dec = Decoder(engine.model, engine.state, engine._graphs)
+    _, logits, _ = dec.forward(prompt)
+    dec.commit(prompt)
+    out = [logits[-1].clone()]
+    for t in tokens:
+        _, logits, _ = dec.forward([t])
+        dec.commit([t])
+        out.append(logits[-1].clone())
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("which", ["random", "agree"])
+def test_fast_path_matches_the_reference_path(model_dirs, which):
+    from sparkchat.engine.session import Engine
+
+    engine = Engine.load(model_dirs[which], device="cuda", dtype="bfloat16", max_context=512,
+                         quantize_experts=True)
+    prompt = list(range(5, 60))
+    ref_tokens, _ = _greedy(engine, prompt, mtp=False, fp8_head=False, mxfp4_kernels=False, cuda_graphs=False)
+    ref = _teacher_forced_logits(engine, prompt, ref_tokens, mtp=False, fp8_head=False, mxfp4_kernels=False,
+                                 cuda_graphs=False)
+    for switches in (dict(mxfp4_kernels=True, cuda_graphs=False), dict(mxfp4_kernels=True, cuda_graphs=True)):
+        fast = _teacher_forced_logits(engine, prompt, ref_tokens, mtp=False, fp8_head=False, **switches)
+        rel = ((fast - ref).abs().amax(-1) / ref.abs().amax(-1)).max().item()
+        top1 = (fast.argmax(-1) == ref.argmax(-1)).float().mean().item()
+        assert rel < 0.05 and top1 >= 0.9, (switches, rel, top1)
+    # speculative decoding on the fast path is lossless against plain decoding on the fast path
+    plain, _ = _greedy(engine, prompt, mtp=False, fp8_head=False, mxfp4_kernels=True, cuda_graphs=True)
+    spec, s = _greedy(engine, prompt, mtp=True, fp8_head=False, mxfp4_kernels=True, cuda_graphs=True)
+    assert s.switches["cuda_graphs"] and s.accept_length_mean is not None
+    same = next((i for i, (x, y) in enumerate(zip(plain, spec)) if x != y), len(plain))
+    assert same >= 24, (plain, spec)  # bf16 verify windows may break a near-tie late
+    if which == "agree":
+        assert s.accept_length_mean >= 1.8
+
+
+def test_fp8_head_and_mtp_keep_accept_length_on_gpu(model_dirs):
+    from sparkchat.engine.session import Engine
+
+    engine = Engine.load(model_dirs["agree"], device="cuda", dtype="bfloat16", max_context=512,
+                         quantize_experts=True)
+    prompt = list(range(5, 60))
+    _, bf16 = _greedy(engine, prompt, mtp=True, fp8_head=False, mxfp4_kernels=True, cuda_graphs=True)
+    _, fp8 = _greedy(engine, prompt, mtp=True, fp8_head=True, mxfp4_kernels=True, cuda_graphs=True)
+    assert fp8.switches["fp8_head"] and fp8.accept_length_mean >= 0.75 * bf16.accept_length_mean
