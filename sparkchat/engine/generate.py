@@ -21,6 +21,7 @@ import torch
 
 from sparkchat.engine.events import GenerationStats, SamplingParams
 from sparkchat.engine.model import LingModel
+from sparkchat.engine.nn.mla import Span
 from sparkchat.engine.sampling import make_generator, probabilities, sample, speculative_accept
 from sparkchat.engine.state import ConversationState
 
@@ -66,10 +67,20 @@ class Decoder:
                 self.state.hidden[start:start + len(ids)] = hidden
             return hidden, logits, kept
         x = torch.tensor(ids, device=self.device)
-        hidden, kept = self.model(x, start, self.state, keep_steps=keep_steps)
+        hidden, kept = self.model(x, start, self.state, keep_steps=keep_steps, span=self._span(start, len(ids)))
         if self.state.hidden.numel():
             self.state.hidden[start:start + len(ids)] = hidden
         return hidden, self.model.lm_head(hidden), kept
+
+    def _span(self, start: int, count: int) -> Span | None:
+        """On CUDA, short steps attend over a fixed bucket of cache rows, as the graphs do: compiled code
+        then sees a handful of shapes instead of one per position."""
+        if self.device.type != "cuda" or count > self.GRAPH_MAX_TOKENS:
+            return None
+        from sparkchat.engine.graphs import bucket_for
+
+        pos = torch.arange(start, start + count, device=self.device)
+        return Span(pos, bucket_for(start + count, self.state.max_context))
 
     def commit(self, ids: list[int]) -> None:
         self.state.token_ids.extend(ids)
@@ -83,7 +94,7 @@ class Decoder:
         next_ids = st.token_ids[start + 1:n] + [pending]
         hidden = st.hidden[start:n]
         ids = torch.tensor(next_ids, device=self.device)
-        m = self.model.draft(ids, hidden, start, st.mtp)
+        m = self.model.draft(ids, hidden, start, st.mtp, span=self._span(start, len(next_ids)))
         st.mtp_length = n
         return m[-1:]
 
@@ -100,7 +111,7 @@ class Decoder:
             else:
                 if j:
                     ids = torch.tensor([tokens[-1]], device=self.device)
-                    m = self.model.draft(ids, m, pos + j - 1, self.state.mtp)
+                    m = self.model.draft(ids, m, pos + j - 1, self.state.mtp, span=self._span(pos + j - 1, 1))
                 logits = self.model.draft_logits(m)  # the very same head module as the target
             if params.temperature > 0:
                 q = probabilities(logits, params)

@@ -27,6 +27,10 @@ def enable_compile() -> bool:
     """Compile every registered piece (CUDA only; SPARKCHAT_COMPILE=0 turns it off). Returns whether on."""
     if os.environ.get("SPARKCHAT_COMPILE", "1") == "0":
         return False
+    import torch._dynamo
+
+    # one specialization per (token count ≤ 5, context bucket, step kind): a few dozen at most
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     for name, fn in _REFERENCE.items():
         setattr(ops, name, torch.compile(fn, dynamic=False, fullgraph=False))
     return True
