@@ -175,3 +175,17 @@ def test_fixed_bucket_span_equals_contiguous(tiny):
         ea = model.lm_head(model(x, pos, a)[0])
         eb = model.lm_head(model(x, pos, b, span=Span(torch.tensor([pos]), attend=128))[0])
         assert torch.allclose(ea, eb, atol=1e-5)
+
+
+def test_memory_check_refuses_a_model_that_does_not_fit(tiny):
+    from sparkchat.engine.checkpoint import CheckpointReader
+    from sparkchat.engine.loader import resident_bytes
+
+    cfg = ModelConfig.from_dir(tiny)
+    need = resident_bytes(CheckpointReader(tiny, "cpu"), torch.float32, quantize_experts=False)
+    on_disk = sum(f.stat().st_size for f in tiny.glob("*.safetensors"))
+    assert 0.9 * on_disk < need < 1.1 * on_disk  # the tiny checkpoint is float32 already
+    assert resident_bytes(CheckpointReader(tiny, "cpu"), torch.float32, quantize_experts=True) < need
+    with pytest.raises(ModelError, match=r"needs .* GiB but only .* GiB of system memory is free"):
+        load_model(tiny, cfg, "cpu", torch.float32, 64, available_memory=need // 2)
+    load_model(tiny, cfg, "cpu", torch.float32, 64, available_memory=need * 2)

@@ -7,6 +7,7 @@ expert at a time, so the BF16 release fits in memory. Tensors go straight to the
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -136,9 +137,41 @@ def _check_expert_dims(cfg: ModelConfig) -> None:
         raise ModelError("MXFP4 experts need hidden_size and moe_intermediate_size divisible by 32")
 
 
+_DTYPE_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1, "U8": 1, "I8": 1, "I32": 4, "I64": 8}
+_EXPERT = re.compile(r"\.mlp\.experts\.\d+\.")
+
+
+def resident_bytes(reader: CheckpointReader, dtype: torch.dtype, quantize_experts: bool) -> int:
+    """What the loaded weights will occupy: plain tensors take the compute dtype (fp32 router and
+    KDA parameters aside, which are small), FP8/MXFP4 ones stay as stored, plain experts quantized
+    while loading shrink to 4.25 bits per weight."""
+    size = torch.empty(0, dtype=dtype).element_size()
+    total = 0
+    for name, info in reader.tensors.items():
+        n = 1
+        for d in info.shape:
+            n *= d
+        stored = _DTYPE_BYTES.get(info.dtype, 4)
+        if info.dtype in _FP8_DTYPES or info.dtype in _MXFP4_DTYPES:
+            total += n * stored
+        elif quantize_experts and _EXPERT.search(name):
+            total += n * 17 // 32  # 4 bits + an 8-bit scale per 32 weights
+        else:
+            total += n * size
+    return total
+
+
+def check_memory(needed: int, available: int, device: torch.device) -> None:
+    if needed > available:
+        where = "GPU" if device.type == "cuda" else "system"
+        raise ModelError(f"the model needs {needed / 2**30:.1f} GiB but only {available / 2**30:.1f} GiB of "
+                         f"{where} memory is free: close other programs or use a smaller model")
+
+
 def load_model(model_dir: str | Path, cfg: ModelConfig, device: torch.device | str = "cpu",
                dtype: torch.dtype = torch.float32, max_context: int = 4096,
-               quantize_experts: bool = False, progress: Progress | None = None) -> LingModel:
+               quantize_experts: bool = False, progress: Progress | None = None,
+               available_memory: int | None = None) -> LingModel:
     """Build the model and fill it from the checkpoint, tensor by tensor, on `device`.
 
     If the config promises an MTP layer that the checkpoint lacks, the model loads without one
@@ -146,6 +179,12 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, device: torch.device | s
     """
     device = torch.device(device)
     reader = CheckpointReader(model_dir, device)
+    if available_memory is None:
+        from sparkchat.engine.capabilities import available_memory_bytes
+
+        available_memory = available_memory_bytes()
+    # checked before any weight moves: on the Spark's unified memory a failed load would squeeze the OS
+    check_memory(resident_bytes(reader, dtype, quantize_experts), available_memory, device)
     if quantize_experts:
         _check_expert_dims(cfg)
     mtp_prefix = f"model.layers.{cfg.num_hidden_layers}"
