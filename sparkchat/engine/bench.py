@@ -64,7 +64,10 @@ def decode_bytes(model: LingModel, context: int, fp8_head: bool) -> int:
     for layer in model.layers:
         for m in layer.modules():
             if isinstance(m, Linear) and id(m) not in fused_parts:
-                total += _tensor_bytes(m.weight, m.weight_scale_inv)
+                if m.cache_dense:  # read as a dequantized copy in the compute dtype
+                    total += m.weight.numel() * model.embed.element_size()
+                else:
+                    total += _tensor_bytes(m.weight, m.weight_scale_inv)
             elif isinstance(m, MoE):
                 ex = m.experts
                 per_expert = _tensor_bytes(ex.w13[0], ex.w2[0],
