@@ -29,6 +29,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--draft-steps", type=int, default=3, help="MTP draft steps (1-4, default 3)")
     p.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=True,
                    help="replay decode/draft/verify steps as CUDA graphs (default on)")
+    p.add_argument("--prefill", type=int, default=0, metavar="N",
+                   help="also time the prefill of an N-token prompt (per token, to compare with decode)")
     p.add_argument("--json", action="store_true", help="print the results as one JSON object")
     p.set_defaults(func=run)
 
@@ -36,6 +38,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from sparkchat.cli import EXIT_USAGE, fail
 
+    _persistent_compile_cache()
     if args.context < 1 or args.iters < 1 or not 1 <= args.draft_steps <= 4:
         return fail("--context and --iters must be positive, --draft-steps 1-4", EXIT_USAGE)
     t0 = time.perf_counter()
@@ -78,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
     progress = None if args.json else (lambda name: print(f"  measuring {name} …", file=sys.stderr))
     triton_cache_warm = _triton_cache_warm()
     result = run_bench(model, context=args.context, iters=args.iters, draft_steps=args.draft_steps,
-                       graphs=args.graphs, accept_length=accept, progress=progress)
+                       graphs=args.graphs, accept_length=accept, prefill=args.prefill, progress=progress)
     out = result.to_dict()
     out.update(source=source, load_s=loaded_s, total_s=time.perf_counter() - t0,
                triton_cache="warm" if triton_cache_warm else "cold")
@@ -89,8 +92,14 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _persistent_compile_cache() -> None:
+    from sparkchat.engine.nn.ops import use_persistent_cache
+
+    use_persistent_cache()
+
+
 def _triton_cache_warm() -> bool:
-    cache = Path(os.environ.get("TRITON_CACHE_DIR", Path.home() / ".triton" / "cache"))
+    cache = Path(os.environ["TRITON_CACHE_DIR"])
     return cache.is_dir() and any(cache.iterdir())
 
 
@@ -134,6 +143,9 @@ def format_table(r: dict) -> str:
                      f"({r['accept_length_source']})")
     lines.append("* Spark: a projection, not a measurement — bytes per token at the DGX Spark's 234 GB/s "
                  "read bandwidth, times the efficiency measured here.")
-    lines.append(f"start-up: load {r['load_s']:.1f} s, whole run {r['total_s']:.1f} s "
-                 f"(Triton cache {r['triton_cache']})")
+    if r["prefill_ms_per_token"] is not None:
+        lines.append(f"prefill of {r['prefill_tokens']} tokens: {r['prefill_ms_per_token']:.3f} ms per token")
+    lines.append(f"start-up: load {r['load_s']:.1f} s + first fast step {r['first_step_s']:.1f} s "
+                 f"(kernel compilation, graph capture; caches {r['triton_cache']}) = launch to first token "
+                 f"{r['load_s'] + r['first_step_s']:.1f} s; whole run {r['total_s']:.1f} s")
     return "\n".join(lines)

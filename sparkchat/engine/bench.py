@@ -46,6 +46,9 @@ class BenchResult:
     verify_ms: float | None = None
     accept_length: float | None = None
     accept_length_source: str = ""
+    first_step_s: float | None = None  # the first fast decode step: kernel compilation + graph capture
+    prefill_tokens: int = 0
+    prefill_ms_per_token: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -121,7 +124,7 @@ def _configure(model: LingModel, experts: bool, fp8_head: bool) -> None:
 
 
 def run_bench(model: LingModel, *, context: int = 1024, iters: int = 20, draft_steps: int = 3,
-              graphs: bool = True, accept_length: float | None = None,
+              graphs: bool = True, accept_length: float | None = None, prefill: int = 0,
               progress: Callable[[str], None] | None = None) -> BenchResult:
     """Measure the four configurations on `model` at a context of `context` tokens.
 
@@ -131,12 +134,18 @@ def run_bench(model: LingModel, *, context: int = 1024, iters: int = 20, draft_s
     device = model.embed.device
     cuda = device.type == "cuda"
     use_graphs = graphs and cuda
-    state = ConversationState.allocate(model.cfg, max(context + 64, 128), device, model.embed.dtype)
+    state = ConversationState.allocate(model.cfg, max(context, prefill) + 64, device, model.embed.dtype)
     state.token_ids = [0] * context  # decode cost does not depend on what the cache holds
     state.mtp_length = context
     bw = measure_read_bandwidth(device)
     result = BenchResult(str(torch.cuda.get_device_name(device) if cuda else "cpu"), context, bw / 1e9, use_graphs)
     say = progress or (lambda _: None)
+
+    # start-up: the first step of the fastest configuration compiles kernels and captures its graph
+    _configure(model, True, True)
+    t = time.perf_counter()
+    Decoder(model, state, _graphs(model, state) if use_graphs else None).forward([1])[1].argmax(-1).tolist()
+    result.first_step_s = time.perf_counter() - t
 
     def decode_time(experts: bool, fp8_head: bool, with_graphs: bool) -> float:
         _configure(model, experts, fp8_head)
@@ -155,6 +164,11 @@ def run_bench(model: LingModel, *, context: int = 1024, iters: int = 20, draft_s
         nbytes = decode_bytes(model, context, fp8_head)
         result.rows.append(_row(name + (" [CUDA graph]" if g else " [eager]"), t, nbytes, bw))
         last = t
+
+    if prefill:
+        say(f"prefill of {prefill} tokens")
+        result.prefill_tokens = prefill
+        result.prefill_ms_per_token = 1000 * _prefill_time(model, prefill, device) / prefill
 
     if model.mtp is not None:
         say("+ MTP")
@@ -182,6 +196,16 @@ def run_bench(model: LingModel, *, context: int = 1024, iters: int = 20, draft_s
         result.rows.append(BenchRow(f"+ MTP ({k} draft steps)", 1000 * t_token, 1 / t_token, None, None, None,
                                     spark, f"per token at accept length {al:.2f} ({result.accept_length_source})"))
     return result
+
+
+def _prefill_time(model: LingModel, n: int, device: torch.device) -> float:
+    ids = torch.randint(0, model.cfg.vocab_size, (n,), device=device)
+
+    def once():
+        state = ConversationState.allocate(model.cfg, n + 8, device, model.embed.dtype)
+        model(ids, 0, state)
+
+    return _median_time(once, device, iters=2)
 
 
 def _greedy():

@@ -23,10 +23,21 @@ def register(fn):
     return fn
 
 
+def use_persistent_cache() -> None:
+    """Keep Triton's and Inductor's compiled kernels in sparkchat's cache dir, so later runs start warm
+    (Inductor's default lives in /tmp). Respects cache dirs the user set."""
+    from platformdirs import user_cache_dir
+
+    root = os.environ.get("SPARKCHAT_CACHE_DIR") or user_cache_dir("sparkchat")
+    os.environ.setdefault("TRITON_CACHE_DIR", os.path.join(root, "triton"))
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(root, "inductor"))
+
+
 def enable_compile() -> bool:
     """Compile every registered piece (CUDA only; SPARKCHAT_COMPILE=0 turns it off). Returns whether on."""
     if os.environ.get("SPARKCHAT_COMPILE", "1") == "0":
         return False
+    use_persistent_cache()
     import torch._dynamo
 
     # one specialization per (token count ≤ 5, context bucket, step kind): a few dozen at most
