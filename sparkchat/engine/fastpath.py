@@ -2,7 +2,8 @@
 
 - FP8 block-scaled linears (decode and verify windows) → `fp8_block_gemv`;
 - routed MXFP4 experts → `mxfp4_moe` (reads only the selected experts' 4-bit weights);
-- the FP8 LM head → `fp8_head_gemv`.
+- the FP8 LM head → `fp8_head_gemv`;
+- the router's group-limited top-k → `route` (one program per token).
 Each kernel has a pure-torch twin (the modules' own forward), which is what runs when a switch is off.
 """
 
@@ -67,7 +68,17 @@ def _fp8_head() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Te
 
 
 def install(model, *, linears: bool, experts: bool, head: bool) -> None:
-    """Turn each kernel family on or off on `model` (a LingModel on CUDA, bf16)."""
+    """Turn each kernel family on or off on `model` (a LingModel on CUDA, bf16). `linears` also
+    routes with the Triton router kernel."""
+    from sparkchat.engine.nn import moe
+    from sparkchat.engine.nn.ops import ops
+
+    if linears:
+        from sparkchat.engine.kernels.router import route
+
+        ops.route = route
+    elif ops.route is not moe.route and getattr(ops.route, "__module__", "").endswith("kernels.router"):
+        ops.route = moe.route
     gemv = _fp8_gemv() if linears else None
     for lin in model.linears():
         lin.fast = gemv if lin.is_fp8 and lin.weight.is_cuda else None
