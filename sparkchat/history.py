@@ -22,6 +22,9 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from sparkchat.engine.errors import SparkchatError
+from sparkchat.settings import data_dir
+
 SCHEMA_VERSION = 1
 STATUSES = ("complete", "interrupted", "streaming")
 ROLES = ("system", "user", "assistant")
@@ -67,18 +70,12 @@ _FTS_SCHEMA = [
 ]
 
 
-def data_dir() -> Path:
-    """`$SPARKCHAT_DATA_DIR` if set, else the platform's user data dir for sparkchat."""
-    env = os.environ.get("SPARKCHAT_DATA_DIR")
-    if env:
-        return Path(env).expanduser()
-    from platformdirs import user_data_dir
-
-    return Path(user_data_dir("sparkchat", appauthor=False))
-
-
 def default_path() -> Path:
     return data_dir() / "history.db"
+
+
+class HistoryError(SparkchatError):
+    """The history database cannot be opened (unwritable dir, corrupt file, newer schema)."""
 
 
 @dataclass
@@ -113,21 +110,24 @@ class History:
 
     def __init__(self, path: str | os.PathLike[str] | None = None, *, clock: Callable[[], float] = time.time):
         self.path = Path(path) if path is not None else default_path()
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         self._clock = clock
         self._lock = threading.RLock()
         # host:pid:instance, so a later open can tell a dead writer's 'streaming' rows from a live one's.
         self._writer = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
-        self._db = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None,
-                                   check_same_thread=False)
-        self._db.row_factory = sqlite3.Row
-        self._db.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
-        self._db.execute("PRAGMA journal_mode = WAL")
-        self._db.execute("PRAGMA synchronous = NORMAL")
-        self._db.execute("PRAGMA foreign_keys = ON")
         self.fts = False
-        self._migrate()
-        self._mark_interrupted()
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._db = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None,
+                                       check_same_thread=False)
+            self._db.row_factory = sqlite3.Row
+            self._db.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
+            self._db.execute("PRAGMA journal_mode = WAL")
+            self._db.execute("PRAGMA synchronous = NORMAL")
+            self._db.execute("PRAGMA foreign_keys = ON")
+            self._migrate()
+            self._mark_interrupted()
+        except (OSError, sqlite3.Error) as exc:
+            raise HistoryError(f"cannot open the chat history {self.path}: {exc}") from None
 
     # -- setup ---------------------------------------------------------------------------------------
 
@@ -147,7 +147,8 @@ class History:
         with self._write() as db:
             version = db.execute("PRAGMA user_version").fetchone()[0]
             if version > SCHEMA_VERSION:
-                raise RuntimeError(f"{self.path} has history schema v{version}; this sparkchat knows v{SCHEMA_VERSION}")
+                raise HistoryError(f"{self.path} has history schema v{version}; this sparkchat knows "
+                                   f"v{SCHEMA_VERSION} (a newer sparkchat wrote it)")
             for statement in _SCHEMA:
                 db.execute(statement)
             has_fts = db.execute("SELECT 1 FROM sqlite_master WHERE name = 'messages_fts'").fetchone() is not None

@@ -19,7 +19,11 @@ _COMMAND_MODULES = [ask, models, bench]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="sparkchat", description="Fast local chat with Ling-3.0-flash.")
+    parser = argparse.ArgumentParser(prog="sparkchat", description="Fast local chat with Ling-3.0-flash. "
+                                     "With no command, opens the terminal app.")
+    parser.add_argument("--model", "-m", help="model for the terminal app (default: the configured one)")
+    parser.add_argument("--device", default=None, help="auto (default), cpu or cuda")
+    parser.add_argument("--max-context", type=int, default=8192, metavar="N", help="context length (8192)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for module in _COMMAND_MODULES:
         module.register(sub)
@@ -31,15 +35,32 @@ def fail(message: str, code: int) -> int:
     return code
 
 
+def open_app(args: argparse.Namespace) -> int:
+    """The terminal app, with the model loading in the background (or a hint when there is none)."""
+    from sparkchat.cli.resolve import resolve_model
+    from sparkchat.engine.errors import ModelError
+    from sparkchat.settings import load_settings
+    from sparkchat.ui.app import run_app
+
+    settings = load_settings()
+    try:
+        model_dir = resolve_model(args.model)
+    except ModelError as e:
+        if args.model:
+            raise
+        return run_app(None, no_model_reason=str(e))
+    return run_app(model_dir, device=args.device or settings.device or "auto", dtype=settings.dtype or "auto",
+                   max_context=args.max_context)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.command is None:
-        parser.print_help()
-        return EXIT_OK
     from sparkchat.engine.errors import SparkchatError
 
     try:
+        if args.command is None:
+            return open_app(args)
         return int(args.func(args) or 0)
     except SparkchatError as e:
         return fail(str(e), EXIT_MODEL)
