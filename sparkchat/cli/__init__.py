@@ -7,7 +7,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from sparkchat.cli import ask, bench, models
+from sparkchat.cli import ask, bench, models, serve
 
 # Exit codes, distinct so scripts can tell failures apart.
 EXIT_OK = 0
@@ -15,7 +15,7 @@ EXIT_USAGE = 2
 EXIT_MODEL = 3
 EXIT_INTERRUPTED = 130
 
-_COMMAND_MODULES = [ask, models, bench]
+_COMMAND_MODULES = [ask, models, bench, serve]
 
 
 def build_parser() -> argparse.ArgumentParser:

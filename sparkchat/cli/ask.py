@@ -45,6 +45,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_sampling_flags(p)
     p.add_argument("--json", action="store_true", help="print one JSON object with the answer and stats")
     p.add_argument("--stats", action="store_true", help="print speed figures to stderr after the answer")
+    p.add_argument("--endpoint", metavar="URL", default=None,
+                   help="ask an OpenAI-compatible server (sparkchat serve, SGLang, vLLM) instead of loading the "
+                        "model; --model then names the served model; API key from $SPARKCHAT_API_KEY")
     p.set_defaults(func=run)
 
 
@@ -113,17 +116,27 @@ def run(args: argparse.Namespace) -> int:
         params = sampling_from(args)
     except ValueError as e:
         return fail(str(e), EXIT_USAGE)
-    engine = load_engine(args)
+    if args.endpoint:
+        from sparkchat.remote import connect_endpoint
+
+        engine = connect_endpoint(args.endpoint, model=args.model)
+    else:
+        engine = load_engine(args)
     messages: list[dict[str, Any]] = []
     if args.system:
         messages.append({"role": "system", "content": args.system})
     messages.append({"role": "user", "content": prompt})
     think = True if args.think is None else args.think
-    prompt_ids = engine.tokenizer.encode_chat(messages, enable_thinking=think)
+    if args.endpoint:  # the server renders the prompt: its token ids stay unknown here
+        prompt_ids: list[int] = []
+        events = engine.generate(messages, params, enable_thinking=think)
+    else:
+        prompt_ids = engine.tokenizer.encode_chat(messages, enable_thinking=think)
+        events = engine.generate_ids(prompt_ids, params)
     pieces: list[str] = []
     token_ids: list[int] = []
     finish, stats = None, None
-    for event in engine.generate_ids(prompt_ids, params):
+    for event in events:
         pieces.append(event.text)
         token_ids.extend(event.token_ids)
         finish, stats = event.finish_reason, event.stats
