@@ -69,7 +69,8 @@ class Settings:
     system_prompt: str = ""
     thinking: bool = True
     theme: str = "textual-dark"
-    endpoint: str = ""  # Hub endpoint (a mirror) for downloads; empty = $HF_ENDPOINT or huggingface.co
+    endpoint: str = ""  # an OpenAI-compatible server to use instead of the embedded engine; empty = embedded
+    hub_endpoint: str = ""  # Hub endpoint (a mirror) for downloads; empty = $HF_ENDPOINT or huggingface.co
     switches: Switches = field(default_factory=Switches)
     sampling: SamplingParams = field(default_factory=SamplingParams)
 
@@ -116,7 +117,8 @@ class _Spec:
 
 _SPECS: dict[str, _Spec] = {}
 for _name, _kind in (("model", str), ("device", str), ("dtype", str), ("system_prompt", str),
-                     ("thinking", bool), ("theme", str), ("endpoint", str)):
+                     ("thinking", bool), ("theme", str), ("endpoint", str),
+                     ("hub_endpoint", str)):
     _SPECS[_name] = _Spec("", _name, _kind)
 for _f in fields(Switches):
     _SPECS[f"switches.{_f.name}"] = _Spec("switches", _f.name, int if _f.name == "draft_steps" else bool)
@@ -187,7 +189,7 @@ def _range_problem(key: str, v: Any) -> str | None:
         return f"must be one of {', '.join(DTYPES)}, got {v!r}"
     if key == "model" and not v.strip():
         return "cannot be empty"
-    if key == "endpoint" and v and not re.match(r"https?://", v):
+    if key in ("endpoint", "hub_endpoint") and v and not re.match(r"https?://", v):
         return f"must be an http(s) URL or empty, got {v!r}"
     if key == "switches.draft_steps" and not 1 <= v <= MAX_DRAFT_STEPS:
         return f"must be between 1 and {MAX_DRAFT_STEPS}, got {v}"

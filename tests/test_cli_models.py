@@ -63,7 +63,7 @@ def test_download_errors_are_one_line(fake, capsys: pytest.CaptureFixture):
 
 def test_download_uses_endpoint_from_settings(fake, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch):
     monkeypatch.delenv("HF_ENDPOINT")
-    s = st.Settings(endpoint=fake.url)
+    s = st.Settings(hub_endpoint=fake.url)
     st.save_settings(s)
     assert run(["download", REPO]) == 0
     assert fake.log

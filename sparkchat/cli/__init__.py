@@ -24,6 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", "-m", help="model for the terminal app (default: the configured one)")
     parser.add_argument("--device", default=None, help="auto (default), cpu or cuda")
     parser.add_argument("--max-context", type=int, default=8192, metavar="N", help="context length (8192)")
+    parser.add_argument("--endpoint", metavar="URL", help="talk to an OpenAI-compatible server instead")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for module in _COMMAND_MODULES:
         module.register(sub)
@@ -43,6 +44,11 @@ def open_app(args: argparse.Namespace) -> int:
     from sparkchat.ui.app import run_app
 
     settings = load_settings()
+    endpoint = args.endpoint or (None if args.model else settings.endpoint or None)
+    if endpoint:
+        from sparkchat.remote import connect_endpoint
+
+        return run_app(engine=connect_endpoint(endpoint, model=args.model))
     try:
         model_dir = resolve_model(args.model)
     except ModelError as e:

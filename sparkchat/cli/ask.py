@@ -116,6 +116,10 @@ def run(args: argparse.Namespace) -> int:
         params = sampling_from(args)
     except ValueError as e:
         return fail(str(e), EXIT_USAGE)
+    if not args.endpoint and not args.model:
+        from sparkchat.settings import load_settings
+
+        args.endpoint = load_settings().endpoint or None  # a configured server, unless a model is named
     if args.endpoint:
         from sparkchat.remote import connect_endpoint
 

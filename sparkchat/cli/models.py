@@ -68,7 +68,7 @@ def cmd_download(args: argparse.Namespace) -> int:
     from sparkchat.settings import SettingsError, load_settings
 
     try:
-        endpoint = load_settings().endpoint or None
+        endpoint = load_settings().hub_endpoint or None
     except SettingsError as e:
         return _fail(str(e), "EXIT_USAGE")
     if endpoint and not os.environ.get("HF_ENDPOINT"):
