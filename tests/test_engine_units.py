@@ -189,3 +189,24 @@ def test_memory_check_refuses_a_model_that_does_not_fit(tiny):
     with pytest.raises(ModelError, match=r"needs .* GiB but only .* GiB of system memory is free"):
         load_model(tiny, cfg, "cpu", torch.float32, 64, available_memory=need // 2)
     load_model(tiny, cfg, "cpu", torch.float32, 64, available_memory=need * 2)
+
+
+def test_next_turn_reuses_the_prompt_checkpoint_when_the_answer_was_rewritten(tiny_model_dir):
+    """Templates drop earlier reasoning, so the next prompt holds a rewritten answer: the engine goes
+    back to its state right after the previous prompt and prefills only from there."""
+    from sparkchat.engine.events import SamplingParams, Switches
+    from sparkchat.engine.session import Engine
+
+    engine = Engine.load(tiny_model_dir, device="cpu", max_context=512)
+    engine.set_switches(Switches(mtp=True, fp8_head=False))
+    p1 = engine.tokenizer.encode_chat([{"role": "user", "content": "hello there"}])
+    list(engine.generate_ids(p1, SamplingParams(max_tokens=6, ignore_eos=True)))
+    rewritten = p1 + [9, 10, 11, 1, 2, 12, 13]  # not what was generated
+    turn2 = [e.token_ids for e in engine.generate_ids(rewritten, SamplingParams(max_tokens=10, ignore_eos=True))]
+    engine.reset()
+    fresh = [e.token_ids for e in engine.generate_ids(rewritten, SamplingParams(max_tokens=10, ignore_eos=True))]
+    assert turn2 == fresh
+    engine.reset()
+    list(engine.generate_ids(p1, SamplingParams(max_tokens=6, ignore_eos=True)))
+    last = list(engine.generate_ids(rewritten, SamplingParams(max_tokens=2)))[-1].stats
+    assert last.prefilled_tokens == len(rewritten) - len(p1)

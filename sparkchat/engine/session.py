@@ -70,6 +70,7 @@ class Engine:
         cuda = self.device.type == "cuda"
         self.switches = Switches(mtp=model.mtp is not None, fp8_head=cuda, mxfp4_kernels=cuda, cuda_graphs=cuda)
         self._graphs = None  # StepGraphs, built on first use
+        self._prompt_checkpoint = None  # the state right after the last prompt, before its answer
         self._graph_key: tuple | None = None
 
     @classmethod
@@ -164,6 +165,7 @@ class Engine:
     def reset(self) -> None:
         """Start a new chat: forget the kept conversation state."""
         self.state.reset()
+        self._prompt_checkpoint = None
 
     def generate(self, messages: list[dict[str, Any]], params: SamplingParams | None = None, *,
                  enable_thinking: bool = True, cancel: Event | None = None) -> Iterator[ResponseEvent]:
@@ -183,11 +185,24 @@ class Engine:
         bad = [t for t in prompt_ids if not 0 <= t < self.config.vocab_size]
         if bad:
             raise ModelError(f"token id {bad[0]} is outside the model's vocabulary of {self.config.vocab_size}")
-        kept = self.state.token_ids
-        if not (len(kept) < len(prompt_ids) and prompt_ids[: len(kept)] == kept):
-            self.state.reset()
+        self._reuse_state_for(prompt_ids)
         new_ids = prompt_ids[self.state.length:]
         return self._stream(prompt_ids, new_ids, params, cancel)
+
+    def _reuse_state_for(self, prompt_ids: list[int]) -> None:
+        """Keep as much computed state as the new prompt allows: all of it when the prompt extends what
+        the state holds (the answer was given back as generated); else the state as it was right after
+        the previous prompt (the template rewrote the answer, e.g. dropped its reasoning); else none."""
+        def extends(ids: list[int]) -> bool:
+            return len(ids) < len(prompt_ids) and prompt_ids[: len(ids)] == ids
+
+        if extends(self.state.token_ids):
+            return
+        cp = self._prompt_checkpoint
+        if cp is not None and extends(cp.token_ids):
+            self.state.restore(cp)
+            return
+        self.state.reset()
 
     def _stream(self, prompt_ids: list[int], new_ids: list[int], params: SamplingParams,
                 cancel: Event | None) -> Iterator[ResponseEvent]:
@@ -201,7 +216,9 @@ class Engine:
                                 mtp=stats.switches["mtp"], draft_steps=self.switches.draft_steps,
                                 cancel=cancel, stats=stats, graphs=self._graphs)
         try:
-            for step in steps:
+            for i, step in enumerate(steps):
+                if i == 0:  # the prompt is in: remember this point for the next turn
+                    self._prompt_checkpoint = self.state.checkpoint()
                 text = "".join(decoder.push(t) for t in step.tokens)
                 if step.finish_reason:
                     text += decoder.flush()
@@ -210,7 +227,7 @@ class Engine:
                     yield ResponseEvent(text, step.tokens, step.finish_reason, stats)
         except BaseException:
             # interrupted inside a forward pass: the state may be half-updated, so drop it
-            self.state.reset()
+            self.reset()
             raise
 
     def _peak_memory(self) -> int:

@@ -13,6 +13,12 @@ from sparkchat.engine.nn.mla import MLACache
 
 
 @dataclass
+class StateCheckpoint:
+    token_ids: list[int]
+    kda: dict[int, tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass
 class ConversationState:
     max_context: int
     kda: dict[int, KDAState]
@@ -66,6 +72,19 @@ class ConversationState:
             k_1 = s.conv.shape[0]
             s.recurrent.copy_(steps.recurrent[last])
             s.conv.copy_(steps.window[last + 1: last + 1 + k_1])
+
+    def checkpoint(self) -> "StateCheckpoint":
+        """Copies of what rolling back to this point needs: the KDA states (MLA rows past the point are
+        simply rewritten later) and the token count."""
+        return StateCheckpoint(list(self.token_ids),
+                               {i: (s.conv.clone(), s.recurrent.clone()) for i, s in self.kda.items()})
+
+    def restore(self, cp: "StateCheckpoint") -> None:
+        for i, (conv, rec) in cp.kda.items():
+            self.kda[i].conv.copy_(conv)
+            self.kda[i].recurrent.copy_(rec)
+        self.token_ids = list(cp.token_ids)
+        self.mtp_length = min(self.mtp_length, max(len(cp.token_ids) - 1, 0))
 
     def snapshot(self) -> dict[str, torch.Tensor]:
         """Copies of every live tensor (for tests and debugging: compare two states exactly)."""
