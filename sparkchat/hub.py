@@ -22,13 +22,14 @@ import json
 import os
 import re
 import shutil
-import struct
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from sparkchat.engine.checkpoint import DTYPE_BYTES as _DTYPE_BYTES
+from sparkchat.engine.checkpoint import parse_header as read_safetensors_header
 from sparkchat.engine.errors import DownloadError
 
 # What the engine loads; nothing else is ever downloaded.
@@ -48,9 +49,6 @@ IGNORE_PATTERNS = ["*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl", "*.pickle", "*.p
 FP4_RELEASE = "fp4 release (FP8+MXFP4)"
 ProgressCallback = Callable[[int, int], None]  # (bytes done, bytes total)
 
-_MAX_HEADER = 100 * 1024 * 1024  # safetensors caps its JSON header at 100 MB
-_DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "I16": 2, "U16": 2,
-                "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
 _DTYPE_FORMAT = {"BF16": "bf16", "F16": "fp16", "F32": "fp32", "F64": "fp64", "F8_E4M3": "fp8",
                  "F8_E5M2": "fp8"}
 _COMMIT = re.compile(r"^[0-9a-f]{40}$")
@@ -422,50 +420,6 @@ def _index_shards(snapshot: Path) -> list[str]:
 
 
 # --- verification -------------------------------------------------------------------------------------
-
-def read_safetensors_header(path: str | Path) -> dict[str, Any]:
-    """Parse and check a safetensors header: {name: {dtype, shape, data_offsets}} (plus __metadata__).
-
-    Raises ValueError saying what is wrong: truncated file, bad length, bad JSON, offsets past the end."""
-    p = Path(path)
-    size = p.stat().st_size
-    with open(p, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise ValueError(f"file is {size} bytes, too short for a header")
-        (n,) = struct.unpack("<Q", head)
-        if n > _MAX_HEADER or 8 + n > size:
-            raise ValueError(f"header length {n} does not fit in the file ({size} bytes)")
-        raw = f.read(n)
-    try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError):
-        raise ValueError("header is not valid JSON") from None
-    if not isinstance(header, dict):
-        raise ValueError("header is not a JSON object")
-    data = size - 8 - n
-    end = 0
-    for name, t in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            dtype, shape, (lo, hi) = t["dtype"], t["shape"], t["data_offsets"]
-            ok = isinstance(lo, int) and isinstance(hi, int) and 0 <= lo <= hi
-        except (TypeError, KeyError, ValueError):
-            ok = False
-        if not ok:
-            raise ValueError(f"tensor {name!r} has a malformed entry")
-        if dtype in _DTYPE_BYTES:
-            count = 1
-            for d in shape:
-                count *= d
-            if count * _DTYPE_BYTES[dtype] != hi - lo:
-                raise ValueError(f"tensor {name!r}: {hi - lo} bytes for shape {shape} {dtype}")
-        end = max(end, hi)
-    if end > data:
-        raise ValueError(f"data section is {data} bytes but tensors reach byte {end} (truncated)")
-    return header
-
 
 def _verify(repo_id: str, snapshot: Path, expected: dict[str, int]) -> None:
     """Sizes against the Hub's listing, then every safetensors header. A bad file is removed from the

@@ -13,7 +13,9 @@ import torch
 
 from sparkchat.engine.errors import ModelError
 
-_MAX_HEADER = 100 * 1024 * 1024
+_MAX_HEADER = 100 * 1024 * 1024  # safetensors caps its JSON header at 100 MB
+DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "I16": 2, "U16": 2,
+               "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
 
 
 @dataclass(frozen=True)
@@ -23,35 +25,58 @@ class TensorInfo:
     shape: tuple[int, ...]
 
 
-def read_header(path: Path) -> dict[str, Any]:
-    """Parse a safetensors header and check the file holds every byte the header promises."""
+def parse_header(path: str | Path) -> dict[str, Any]:
+    """Parse and check a safetensors header: {name: {dtype, shape, data_offsets}} (plus __metadata__).
+
+    Raises ValueError saying what is wrong: truncated file, bad length, bad JSON, offsets past the end."""
+    p = Path(path)
+    size = p.stat().st_size
+    with open(p, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise ValueError(f"file is {size} bytes, too short for a header")
+        (n,) = struct.unpack("<Q", head)
+        if n > _MAX_HEADER or 8 + n > size:
+            raise ValueError(f"header length {n} does not fit in the file ({size} bytes)")
+        raw = f.read(n)
     try:
-        size = path.stat().st_size
-        with path.open("rb") as f:
-            raw = f.read(8)
-            if len(raw) < 8:
-                raise ModelError(f"{path.name}: not a safetensors file (too short)")
-            (n,) = struct.unpack("<Q", raw)
-            if n > _MAX_HEADER or 8 + n > size:
-                raise ModelError(f"{path.name}: corrupt or truncated safetensors header")
-            header = json.loads(f.read(n))
-    except OSError as e:
-        raise ModelError(f"cannot read {path}: {e.strerror}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise ModelError(f"{path.name}: corrupt safetensors header (not JSON)") from None
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        raise ValueError("header is not valid JSON") from None
     if not isinstance(header, dict):
-        raise ModelError(f"{path.name}: corrupt safetensors header")
+        raise ValueError("header is not a JSON object")
+    data = size - 8 - n
     end = 0
-    for name, info in header.items():
+    for name, t in header.items():
         if name == "__metadata__":
             continue
         try:
-            end = max(end, int(info["data_offsets"][1]))
-        except (KeyError, TypeError, IndexError, ValueError):
-            raise ModelError(f"{path.name}: corrupt safetensors entry for tensor {name}") from None
-    if 8 + n + end > size:
-        raise ModelError(f"{path.name} is truncated: {size} bytes, the header needs {8 + n + end}")
+            dtype, shape, (lo, hi) = t["dtype"], t["shape"], t["data_offsets"]
+            ok = isinstance(lo, int) and isinstance(hi, int) and 0 <= lo <= hi
+        except (TypeError, KeyError, ValueError):
+            ok = False
+        if not ok:
+            raise ValueError(f"tensor {name!r} has a malformed entry")
+        if dtype in DTYPE_BYTES:
+            count = 1
+            for d in shape:
+                count *= d
+            if count * DTYPE_BYTES[dtype] != hi - lo:
+                raise ValueError(f"tensor {name!r}: {hi - lo} bytes for shape {shape} {dtype}")
+        end = max(end, hi)
+    if end > data:
+        raise ValueError(f"data section is {data} bytes but tensors reach byte {end} (truncated)")
     return header
+
+
+def read_header(path: Path) -> dict[str, Any]:
+    """parse_header, failing with a one-line ModelError that names the file."""
+    try:
+        return parse_header(path)
+    except OSError as e:
+        raise ModelError(f"cannot read {path}: {e.strerror}") from None
+    except ValueError as e:
+        raise ModelError(f"{path.name} is corrupt or truncated: {e}") from None
 
 
 def checkpoint_files(model_dir: Path) -> list[Path]:

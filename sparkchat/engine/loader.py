@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from sparkchat.engine.checkpoint import CheckpointReader
+from sparkchat.engine.checkpoint import DTYPE_BYTES, CheckpointReader
 from sparkchat.engine.config import ModelConfig
 from sparkchat.engine.errors import ModelError
 from sparkchat.engine.model import LingModel
@@ -137,7 +137,6 @@ def _check_expert_dims(cfg: ModelConfig) -> None:
         raise ModelError("MXFP4 experts need hidden_size and moe_intermediate_size divisible by 32")
 
 
-_DTYPE_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1, "U8": 1, "I8": 1, "I32": 4, "I64": 8}
 _EXPERT = re.compile(r"\.mlp\.experts\.\d+\.")
 
 
@@ -151,7 +150,7 @@ def resident_bytes(reader: CheckpointReader, dtype: torch.dtype, quantize_expert
         n = 1
         for d in info.shape:
             n *= d
-        stored = _DTYPE_BYTES.get(info.dtype, 4)
+        stored = DTYPE_BYTES.get(info.dtype, 4)
         if info.dtype in _FP8_DTYPES or info.dtype in _MXFP4_DTYPES:
             total += n * stored
         elif quantize_experts and _EXPERT.search(name):
