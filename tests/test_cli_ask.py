@@ -13,8 +13,8 @@ import pytest
 from sparkchat.cli import main
 
 
-def run_cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+def run_cli(*args: str, stdin: str | None = None, **env_extra: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **env_extra)
     return subprocess.run([sys.executable, "-m", "sparkchat.cli", *args], input=stdin, capture_output=True,
                           text=True, env=env, timeout=300)
 
@@ -111,3 +111,18 @@ def test_help_lists_every_ask_flag(capsys):
                  "--draft-steps", "--fp8-head", "--mxfp4-kernels"):
         assert flag in text
         assert flag in readme, f"{flag} is not documented in the README"
+
+
+def test_demo_model_is_the_default_when_nothing_is_configured(tmp_path):
+    env = dict(SPARKCHAT_CONFIG_DIR=str(tmp_path / "cfg"), SPARKCHAT_DATA_DIR=str(tmp_path / "data"),
+               HF_HOME=str(tmp_path / "hf"), HF_HUB_CACHE=str(tmp_path / "hf" / "hub"), HF_HUB_OFFLINE="1")
+    r = run_cli("ask", "What does str.split do?", "--json", "--max-tokens", "12", **env)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["model"] == "demo" and out["stats"]["generated_tokens"] >= 1
+    assert "demo model" in r.stderr and "sparkchat download inclusionAI/Ling-3.0-flash-fp4" in r.stderr
+    # a model the user configured but does not have is an error, not a silent fallback to the demo
+    (tmp_path / "cfg").mkdir(exist_ok=True)
+    (tmp_path / "cfg" / "settings.toml").write_text('model = "someone/missing-model"\n')
+    r = run_cli("ask", "hi", "--json", **env)
+    _one_line_error(r, 3, "someone/missing-model")
