@@ -1,0 +1,291 @@
+"""Decode kernels at the Ling-3.0-flash shapes on one GPU: time, bytes, GB/s, % of measured read bandwidth.
+
+    python benchmarks/bench_kernels.py [--json out.json] [--sweep]
+
+Each configuration is first checked against its torch twin. Every figure is the median over replays of a CUDA graph holding R calls on rotating inputs (weights or
+experts distinct across the R calls, so each call streams from HBM, not L2), divided by R; graph
+replay keeps launch gaps at in-graph size (~1 us per kernel). Bytes are the weights a call must read
+(each distinct expert once) plus activations. Baselines: MoE = gather the selected experts, dequantize
+to bf16, batched matmuls (torch); head = bf16 weight, torch matmul.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere in the checkout
+
+H, INTER, E, K, V = 2560, 768, 512, 8, 157184
+EXPERT_BYTES = (2 * INTER * H // 2 + 2 * INTER * H // 32) + (H * INTER // 2 + H * INTER // 32)
+
+
+def graph_us(calls, reps: int = 25) -> float:
+    """Median microseconds per call of `calls` (list of zero-arg callables) replayed in one CUDA graph."""
+    for c in calls:  # compile and warm up outside the capture
+        c()
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for c in calls:
+            c()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for c in calls:
+            c()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / len(calls))
+    del graph
+    return statistics.median(times)
+
+
+def measure_read_bw() -> dict:
+    n = 1 << 30  # 4 GiB of fp32
+    big = torch.empty(n, dtype=torch.float32, device="cuda").uniform_()
+    t_sum = graph_us([lambda: big.sum()], reps=10)
+    half = big[: n // 2]
+    dst = torch.empty_like(half)
+    t_copy = graph_us([lambda: dst.copy_(half)], reps=10)
+    del big, dst
+    torch.cuda.empty_cache()
+    return {"sum_4GiB_us": t_sum, "read_GBps": 4 * n / t_sum / 1e3,
+            "copy_2GiB_us": t_copy, "copy_rw_GBps": 2 * 4 * (n // 2) / t_copy / 1e3}
+
+
+class Recorder:
+    def __init__(self, read_gbps: float, path: str, header: dict):
+        self.read = read_gbps
+        self.rows: list[dict] = []
+        self.path, self.header = path, header
+
+    def save(self) -> None:
+        with open(self.path, "w") as f:
+            json.dump({**self.header, "rows": self.rows}, f, indent=1)
+
+    def add(self, name: str, us: float, nbytes: float, **extra) -> dict:
+        gbps = nbytes / us / 1e3
+        row = {"name": name, "us": round(us, 2), "MB": round(nbytes / 1e6, 2), "GBps": round(gbps, 1),
+               "pct_read_bw": round(100 * gbps / self.read, 1), **extra}
+        self.rows.append(row)
+        self.save()
+        print(f"  {name:<44} {us:9.2f} us {nbytes / 1e6:9.2f} MB {gbps:8.0f} GB/s {row['pct_read_bw']:6.1f} %"
+              + (f"  {extra}" if extra else ""), flush=True)
+        return row
+
+
+# ---------------------------------------------------------------- MoE
+def make_layer():
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w13 = torch.randint(0, 256, (E, 2 * INTER, H // 2), dtype=torch.uint8, device="cuda", generator=g)
+    s13 = torch.randint(118, 125, (E, 2 * INTER, H // 32), dtype=torch.uint8, device="cuda", generator=g)
+    w2 = torch.randint(0, 256, (E, H, INTER // 2), dtype=torch.uint8, device="cuda", generator=g)
+    s2 = torch.randint(118, 125, (E, H, INTER // 32), dtype=torch.uint8, device="cuda", generator=g)
+    return w13, s13, w2, s2
+
+
+def routings(T: int, calls: int, repeat: int, seed: int):
+    """`calls` routings of T tokens: distinct experts per token, token t keeps `repeat` of token t-1's;
+    the first token of each call draws from experts the previous calls did not use when possible."""
+    gen = torch.Generator().manual_seed(seed)
+    pool = torch.randperm(E, generator=gen).tolist()
+    out = []
+    for _ in range(calls):
+        rows = []
+        for t in range(T):
+            keep = rows[-1][:repeat] if t else []
+            fresh = []
+            while len(keep) + len(fresh) < K:
+                if not pool:
+                    pool = torch.randperm(E, generator=gen).tolist()
+                e = pool.pop()
+                if e not in keep and e not in fresh:
+                    fresh.append(e)
+            rows.append(keep + fresh)
+        ids = torch.tensor(rows, dtype=torch.int32, device="cuda")
+        w = torch.rand(T, K, generator=gen) + 0.1
+        out.append((ids, (w / w.sum(-1, keepdim=True) * 2.5).float().cuda()))
+    return out
+
+
+def moe_bytes(routes, T: int) -> float:
+    uniq = statistics.mean(len(set(ids.flatten().tolist())) for ids, _ in routes)
+    act = T * H * 2 * 2 + T * K * (INTER + H) * 4 * 2
+    return uniq * EXPERT_BYTES + act, uniq
+
+
+def bench_moe(rec: Recorder, layer, sweep: bool) -> dict:
+    from sparkchat.engine.kernels import reference as ref
+    from sparkchat.engine.kernels.mxfp4_moe import MoeConfig, _plan, moe_config, mxfp4_moe, mxfp4_moe_workspace
+    w13, s13, w2, s2 = layer
+    w13_i32, w2_i32 = w13.view(torch.int32), w2.view(torch.int32)
+    best = {}
+
+    def case(T, repeat, calls, label, cfgs, baseline=False):
+        routes = routings(T, calls, repeat, seed=T * 100 + repeat)
+        nbytes, uniq = moe_bytes(routes, T)
+        xs = [torch.randn(T, H, device="cuda").bfloat16() for _ in routes]
+        outs = [torch.empty(T, H, device="cuda", dtype=torch.bfloat16) for _ in routes]
+        ws = mxfp4_moe_workspace(T, K, H, INTER, "cuda")
+        results = []
+        want = ref.mxfp4_moe_reference(xs[0], routes[0][0], routes[0][1], w13, s13, w2, s2, 4.0)
+        for cfg in cfgs:
+            got = mxfp4_moe(xs[0], routes[0][0], routes[0][1], w13, s13, w2, s2, 4.0, workspace=ws, config=cfg)
+            err = ((got.float() - want.float()).norm() / want.float().norm()).item()
+            assert err < 1e-2, f"mxfp4_moe {label} {cfg}: relative error {err}"
+            plan = _plan(T, K, H, INTER, cfg)
+            full = [lambda i=i, r=r: mxfp4_moe(xs[i], r[0], r[1], w13, s13, w2, s2, 4.0, out=outs[i], workspace=ws,
+                                               config=cfg) for i, r in enumerate(routes)]
+            us = graph_us(full)
+            s1 = graph_us([lambda i=i, r=r: plan.stage1(xs[i], r[0], r[1], w13_i32, s13, ws.act, 4.0)
+                           for i, r in enumerate(routes)])
+            s2us = graph_us([lambda i=i, r=r: plan.stage2(ws.act, r[0], w2_i32, s2, ws.part, ws.count, outs[i])
+                             for i, r in enumerate(routes)])
+            results.append((us, cfg, s1, s2us))
+            print(f"    cfg {asdict(cfg)}: {us:.2f} us (stage1 {s1:.2f}, stage2 {s2us:.2f})", flush=True)
+        us, cfg, s1, s2us = min(results, key=lambda r: r[0])
+        row = rec.add(f"mxfp4_moe {label}", us, nbytes, unique_experts=uniq, stage1_us=round(s1, 2),
+                      stage2_us=round(s2us, 2), config=asdict(cfg))
+        best[label] = row
+        if baseline:
+            n = min(4, len(routes))
+            base = [lambda i=i, r=r: ref.mxfp4_moe_baseline(xs[i], r[0], r[1], w13, s13, w2, s2, 4.0)
+                    for i, r in enumerate(routes[:n])]
+            b_us = graph_us(base, reps=10)
+            rec.add(f"baseline dequant+bf16 bmm {label}", b_us, nbytes, speedup_of_kernel=round(b_us / us, 2))
+        return row
+
+    d = moe_config(1, H, INTER)
+    c1 = [d]
+    if sweep:
+        c1 += [MoeConfig(rs1=1, unroll1=2, prefetch=True), MoeConfig(rs1=1, prefetch=True),
+               MoeConfig(prefetch=True), MoeConfig(bn2=32, rs2=1)]
+    case(1, 0, 16, "T=1 (8 experts)", c1, baseline=True)
+    c4 = [moe_config(4, H, INTER), MoeConfig(dedupe=False, prefetch=True), MoeConfig(rs1=1, rs2=1, dedupe=True)]
+    case(4, 0, 8, "T=4 random routing", c4, baseline=True)
+    case(4, 4, 8, "T=4 half repeated", c4)
+    case(5, 0, 6, "T=5 random routing", c4[:2])
+    case(2, 4, 12, "T=2 half repeated", c4[:2])
+    return best
+
+
+# ---------------------------------------------------------------- FP8 GEMVs
+def bench_fp8(rec: Recorder, sweep: bool) -> None:
+    from sparkchat.engine.kernels import reference as ref
+    from sparkchat.engine.kernels.fp8_gemv import GemvConfig, fp8_block_gemv, fp8_head_argmax, fp8_head_gemv, gemv_config
+
+    def cands(kind, T):
+        base = [gemv_config(kind, T)]
+        if sweep and T == 1:
+            base += [GemvConfig(bn=32, rs=2, bk=64, unroll=2, warps=4, prefetch=True),
+                     GemvConfig(bn=64, rs=1, bk=64, unroll=2, warps=8, prefetch=True),
+                     GemvConfig(bn=64, rs=1, bk=128, unroll=1, warps=8)]
+        return base
+
+    # LM head: 402 MB in FP8, larger than L2 on its own.
+    w = (torch.randn(V, H, device="cuda") * 0.5).to(torch.float8_e4m3fn)
+    scale = torch.rand(V, device="cuda") * 0.01 + 0.005
+    head_bytes = V * H + 4 * V
+    for T in (1, 4):
+        x = torch.randn(T, H, device="cuda").bfloat16()
+        out = torch.empty(T, V, device="cuda")
+        res = []
+        want = ref.fp8_head_gemv_reference(x, w, scale)
+        for cfg in cands("head", T):
+            got = fp8_head_gemv(x, w, scale, config=cfg)
+            assert ((got - want).norm() / want.norm()).item() < 1e-5, f"fp8_head_gemv {cfg}"
+            assert torch.equal(fp8_head_argmax(x, w, scale, config=cfg), want.argmax(-1)), f"fp8_head_argmax {cfg}"
+            us = graph_us([lambda: fp8_head_gemv(x, w, scale, out=out, config=cfg)] * 4)
+            res.append((us, cfg))
+            print(f"    head T={T} cfg {asdict(cfg)}: {us:.2f} us", flush=True)
+        us, cfg = min(res, key=lambda r: r[0])
+        head = rec.add(f"fp8_head_gemv T={T}", us, head_bytes + T * V * 4, config=asdict(cfg))
+        tok = torch.empty(T, dtype=torch.int64, device="cuda")
+        us_a = graph_us([lambda: fp8_head_argmax(x, w, scale, out=tok, config=cfg)] * 4)
+        rec.add(f"fp8_head_argmax T={T}", us_a, head_bytes, config=asdict(cfg))
+        if T == 1:
+            head_us = us
+    wb = torch.randn(V, H, device="cuda").bfloat16()
+    del w
+    x = torch.randn(1, H, device="cuda").bfloat16()
+    b_us = graph_us([lambda: torch.matmul(x, wb.T)] * 4)
+    rec.add("bf16 head torch.matmul T=1 (baseline)", b_us, V * H * 2, fp8_speedup=round(b_us / head_us, 2))
+    del wb
+    torch.cuda.empty_cache()
+
+    # Fused KDA projections: N = 5 x 4096, K = 2560 (52 MB): 4 copies rotated (> L2).
+    for (N, Kd, label) in [(5 * 4096, H, "KDA q/k/v/f/g fused"), (H, 4096, "o_proj")]:
+        copies = 4 if N * Kd > 20e6 else 12
+        ws_ = [(torch.randn(N, Kd, device="cuda") * 0.5).to(torch.float8_e4m3fn) for _ in range(copies)]
+        sis = [torch.rand((N + 127) // 128, (Kd + 127) // 128, device="cuda") * 0.01 for _ in range(copies)]
+        nbytes = N * Kd + 4 * sis[0].numel()
+        for T in (1, 4) if N > H else (1,):
+            x = torch.randn(T, Kd, device="cuda").bfloat16()
+            outs = [torch.empty(T, N, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
+            res = []
+            want = ref.fp8_block_gemv_reference(x, ws_[0], sis[0]).float()
+            for cfg in cands("block", T):
+                got = fp8_block_gemv(x, ws_[0], sis[0], config=cfg).float()
+                assert ((got - want).norm() / want.norm()).item() < 1e-2, f"fp8_block_gemv {cfg}"
+                us = graph_us([lambda i=i: fp8_block_gemv(x, ws_[i], sis[i], out=outs[i], config=cfg) for i in range(copies)])
+                res.append((us, cfg))
+                print(f"    block {label} T={T} cfg {asdict(cfg)}: {us:.2f} us", flush=True)
+            us, cfg = min(res, key=lambda r: r[0])
+            rec.add(f"fp8_block_gemv {label} N={N} K={Kd} T={T}", us, nbytes + T * (N + Kd) * 2, config=asdict(cfg))
+        del ws_
+        torch.cuda.empty_cache()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", default="bench_kernels.json")
+    ap.add_argument("--sweep", action="store_true", help="also time a small list of block-size configs")
+    ap.add_argument("--only", choices=["moe", "fp8"], default=None)
+    args = ap.parse_args()
+    import triton
+    assert torch.cuda.is_available(), "needs a CUDA GPU"
+    t0 = time.time()
+    info = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+            "sms": torch.cuda.get_device_properties(0).multi_processor_count}
+    print(info, flush=True)
+    bw = measure_read_bw()
+    print(f"read bandwidth: {bw}", flush=True)
+    rec = Recorder(bw["read_GBps"], args.json, {"info": info, "bandwidth": bw, "command": " ".join(sys.argv)})
+    if args.only in (None, "moe"):
+        layer = make_layer()
+        bench_moe(rec, layer, args.sweep)
+        del layer
+        torch.cuda.empty_cache()
+    if args.only in (None, "fp8"):
+        bench_fp8(rec, args.sweep)
+    print(f"\n{'kernel':<46} {'us':>9} {'MB':>9} {'GB/s':>8} {'%read':>7}")
+    for r in rec.rows:
+        print(f"{r['name']:<46} {r['us']:9.2f} {r['MB']:9.2f} {r['GBps']:8.0f} {r['pct_read_bw']:7.1f}")
+    rec.header["seconds"] = round(time.time() - t0)
+    rec.save()
+    print("\n| kernel | µs | MB | GB/s | % of read BW | notes |\n|---|---|---|---|---|---|")
+    for r in rec.rows:
+        notes = {k: v for k, v in r.items() if k not in ("name", "us", "MB", "GBps", "pct_read_bw", "config")}
+        print(f"| {r['name']} | {r['us']:.1f} | {r['MB']:.1f} | {r['GBps']:.0f} | {r['pct_read_bw']:.0f} | "
+              + ", ".join(f"{k} {v}" for k, v in notes.items()) + " |")
+    print(f"wrote {args.json} in {time.time() - t0:.0f} s", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,472 @@
+"""MXFP4 routed-expert MoE for decode and the MTP verify window (T = 1..8 tokens).
+
+Two launches, no host sync, no allocation beyond the output and a reusable workspace:
+  stage 1  grid (slot, gate-row block): gate/up GEMV over one expert's MXFP4 rows, SwiGLU with clamp,
+           times the routing weight -> act[t*K + k, :] (fp32).
+  stage 2  grid (output-row block, slot): down GEMV of one expert -> part[t*K + k, rows] (fp32); the
+           last program to finish a row block (atomic counter, reset by that program) sums the K
+           slots of each token in slot order and writes y bf16 [T, H]. Deterministic, no fp32 atomics.
+
+Decoding, all in registers: weights are read as int32 words of 8 E2M1 codes. Codes (j, j+4) of a word
+become one int32 holding two bf16 bit patterns (sign << 15 | e1 e0 m << 6); each half shifted into the
+top of an fp32 is the E2M1 value times 2^-126 (codes with e = 0 are fp32 subnormals: exact, and the
+kernels never flush them). Activations are pre-multiplied by 2^100 so the products are normal floats;
+the 2^(126-100) goes into the E8M0 scale, applied once per word. About 3 integer ops per weight.
+
+DEDUPE (T > 1): a slot whose expert already appears at an earlier slot does nothing; the first slot of
+each distinct expert computes every token that chose it (skipping the others at run time), so each
+expert's bytes stream once and are decoded once. Without DEDUPE (the measured-faster default for T > 1)
+each slot computes its own token; the slots of one row block run side by side, so an expert shared by
+several tokens is fetched from HBM once and re-read from L2.
+
+Layout: weight words and their per-word scale bytes are loaded flat and reshaped to [rows, words] with
+lanes along the words (one 128-byte line per warp load) and rows in registers, so each activation
+value is loaded once per thread and reused across its rows. Configs: MoeConfig / moe_config; the
+`prefetch` option software-pipelines the k loop by one step (tested, not yet timed on a GPU).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+_MAG2 = tl.constexpr(0x01C001C0)  # e1 e0 m of two bf16 halves (bits 8:6 of each)
+_SIGN2 = tl.constexpr(-0x7FFF8000)  # 0x80008000 as int32: sign bit of each half
+_HI16 = tl.constexpr(-0x10000)  # 0xFFFF0000
+_X_SCALE = tl.constexpr(1.2676506002282294e30)  # 2^100, applied to activations
+
+
+@triton.jit
+def _halves(p):
+    """int32 with two bf16 bit patterns -> (low half, high half) as fp32 (exact, no conversion op)."""
+    return (p << 16).to(tl.float32, bitcast=True), (p & _HI16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _unpack8(w):
+    """int32 word of 8 E2M1 codes (code j at bits 4j..4j+3) -> codes 0..7 as fp32 (value * 2^-126)."""
+    c0, c4 = _halves(((w << 6) & _MAG2) | ((w << 12) & _SIGN2))
+    c1, c5 = _halves(((w << 2) & _MAG2) | ((w << 8) & _SIGN2))
+    c2, c6 = _halves(((w >> 2) & _MAG2) | ((w << 4) & _SIGN2))
+    c3, c7 = _halves(((w >> 6) & _MAG2) | (w & _SIGN2))
+    return c0, c1, c2, c3, c4, c5, c6, c7
+
+
+@triton.jit
+def _e8m0_scale(s):
+    """E8M0 byte -> 2^(s - 127) * 2^(126 - 100) in fp32 (exact for s <= 228)."""
+    return ((s.to(tl.int32) + 26) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _perm4(c):
+    """Word c -> word c with each aligned group of 4 reversed after its first (0,3,2,1): a warp still
+    reads whole 128-byte lines, but the compiler cannot prove contiguity, so it keeps one word per
+    lane (no vectorization) for the weights and for their per-word scale bytes alike."""
+    return (c // 4) * 4 + (c * 3) % 4
+
+
+@triton.jit
+def _word_tile(ptr, row_stride, k0, BN: tl.constexpr, BKW: tl.constexpr, SCALE: tl.constexpr):
+    """[BN, BKW] tile: weight words (SCALE=False) or each word's E8M0 byte (SCALE=True) of rows
+    0..BN-1 from ptr, words k0 + _perm4(0..BKW-1). Loaded flat and reshaped, which pins the layout
+    (lanes along the words, warps and registers along the rows) shared by both tiles and the
+    activation columns."""
+    i = tl.arange(0, BN * BKW)
+    word = k0 + _perm4(i % BKW)
+    if SCALE:
+        v = tl.load(ptr + (i // BKW) * row_stride + word // 4)
+    else:
+        v = tl.load(ptr + (i // BKW) * row_stride + word)
+    return tl.reshape(v, [BN, BKW])
+
+
+@triton.jit
+def _dot8(c, x0, x1, x2, x3, x4, x5, x6, x7):
+    c0, c1, c2, c3, c4, c5, c6, c7 = c
+    return c0 * x0 + c1 * x1 + c2 * x2 + c3 * x3 + c4 * x4 + c5 * x5 + c6 * x6 + c7 * x7
+
+
+@triton.jit
+def _zeros(n: tl.constexpr, BN: tl.constexpr, BKW: tl.constexpr):
+    out = ()
+    for i in tl.static_range(n):
+        out = out + (tl.zeros([BN, BKW], dtype=tl.float32),)
+    return out
+
+
+@triton.jit
+def _load_x(x_ptr, x_offs, valid, offs, NT: tl.constexpr):
+    """Per token, the 8 activation components of each word column (x[t, 8j + i], i = 0..7) as raw
+    values [BKW]; rows of tokens this program does not serve read nothing (masked)."""
+    xs = ()
+    for t in tl.static_range(NT):
+        base = x_ptr + x_offs[t] + offs
+        m = valid[t] & (offs >= 0)
+        xt = ()
+        for i in tl.static_range(8):
+            xt = xt + (tl.load(base + i, mask=m, other=0.0),)
+        xs = xs + (xt,)
+    return xs
+
+
+@triton.jit
+def _fma_tokens(accs, cs, scs, xs, x_ptr, x_offs, offs, valid,
+                NT: tl.constexpr, R: tl.constexpr, SKIP: tl.constexpr, LOADED: tl.constexpr):
+    """accs[t*R + r] += scs[r] * sum_i cs[r][i] * x'[t, 8j + i] for every token t and word tile r.
+
+    cs: R tiles of 8 decoded code tensors [BN, BKW], decoded once and reused for every token. The
+    activation components [BKW] of each token are scaled once and reused for every tile: taken from
+    xs (LOADED, see _load_x) or loaded here from x_ptr + x_offs[t] + offs. valid: NT scalars, the
+    tokens this program serves (SKIP: the others cost no loads and no arithmetic).
+    """
+    for t in tl.static_range(NT):
+        run = True
+        if SKIP:
+            run = valid[t]
+        if run:
+            if LOADED:
+                xt = xs[t]
+            else:
+                base = x_ptr + x_offs[t] + offs  # [BKW]; served rows only, always in bounds
+                xt = ()
+                for i in tl.static_range(8):
+                    xt = xt + (tl.load(base + i),)
+            x0 = (xt[0].to(tl.float32) * _X_SCALE)[None, :]
+            x1 = (xt[1].to(tl.float32) * _X_SCALE)[None, :]
+            x2 = (xt[2].to(tl.float32) * _X_SCALE)[None, :]
+            x3 = (xt[3].to(tl.float32) * _X_SCALE)[None, :]
+            x4 = (xt[4].to(tl.float32) * _X_SCALE)[None, :]
+            x5 = (xt[5].to(tl.float32) * _X_SCALE)[None, :]
+            x6 = (xt[6].to(tl.float32) * _X_SCALE)[None, :]
+            x7 = (xt[7].to(tl.float32) * _X_SCALE)[None, :]
+            new = ()
+            for i in tl.static_range(NT * R):
+                if i // R == t:
+                    new = new + (accs[i] + _dot8(cs[i % R], x0, x1, x2, x3, x4, x5, x6, x7) * scs[i % R],)
+                else:
+                    new = new + (accs[i],)
+            accs = new
+    return accs
+
+
+@triton.jit
+def _load_tiles(w_e, s_e, row0s, row_stride, srow_stride, k0, BN: tl.constexpr, BKW: tl.constexpr,
+                R: tl.constexpr):
+    """Raw weight words and scale bytes of the R word tiles of one k step."""
+    ws = ()
+    ss = ()
+    for r in tl.static_range(R):
+        ws = ws + (_word_tile(w_e + row0s[r] * row_stride, row_stride, k0, BN, BKW, False),)
+        ss = ss + (_word_tile(s_e + row0s[r] * srow_stride, srow_stride, k0, BN, BKW, True),)
+    return ws, ss
+
+
+@triton.jit
+def _decode(ws, ss, R: tl.constexpr):
+    cs = ()
+    scs = ()
+    for r in tl.static_range(R):
+        cs = cs + (_unpack8(ws[r]),)
+        scs = scs + (_e8m0_scale(ss[r]),)
+    return cs, scs
+
+
+@triton.jit
+def _stream(accs, w_e, s_e, row0s, row_stride, srow_stride, KW: tl.constexpr, x_ptr, x_offs, valid,
+            BN: tl.constexpr, BKW: tl.constexpr, R: tl.constexpr, NT: tl.constexpr, SKIP: tl.constexpr,
+            UNROLL: tl.constexpr, PREFETCH: tl.constexpr):
+    """The k loop over KW words per row. PREFETCH: software-pipelined by one step (step k+1's weight,
+    scale and activation loads are issued before step k is decoded and multiplied)."""
+    kw = _perm4(tl.arange(0, BKW))
+    if PREFETCH:
+        ws, ss = _load_tiles(w_e, s_e, row0s, row_stride, srow_stride, 0, BN, BKW, R)
+        xs = _load_x(x_ptr, x_offs, valid, kw * 8, NT)
+        for k0 in tl.range(0, KW, BKW, loop_unroll_factor=UNROLL):
+            kn = tl.minimum(k0 + BKW, KW - BKW)  # the last step re-reads its own words (cache hits)
+            ws_n, ss_n = _load_tiles(w_e, s_e, row0s, row_stride, srow_stride, kn, BN, BKW, R)
+            xs_n = _load_x(x_ptr, x_offs, valid, (kn + kw) * 8, NT)
+            cs, scs = _decode(ws, ss, R)
+            accs = _fma_tokens(accs, cs, scs, xs, x_ptr, x_offs, kw, valid, NT, R, SKIP, True)
+            ws = ws_n
+            ss = ss_n
+            xs = xs_n
+    else:
+        for k0 in tl.range(0, KW, BKW, loop_unroll_factor=UNROLL):
+            ws, ss = _load_tiles(w_e, s_e, row0s, row_stride, srow_stride, k0, BN, BKW, R)
+            cs, scs = _decode(ws, ss, R)
+            accs = _fma_tokens(accs, cs, scs, (), x_ptr, x_offs, (k0 + kw) * 8, valid, NT, R, SKIP, False)
+    return accs
+
+
+@triton.jit
+def _slot_tokens(ids_ptr, rw_ptr, e, s, T: tl.constexpr, K: tl.constexpr, NT: tl.constexpr,
+                 K_PAD: tl.constexpr, DEDUPE: tl.constexpr):
+    """The token rows a program serves, as NT-tuples of scalars: (token, slot t*K + k, routing
+    weight, served). DEDUPE: every token that chose expert e (first NT = pow2(T) tokens); else
+    only slot s's own token (NT = 1)."""
+    kk = tl.arange(0, K_PAD)
+    toks = ()
+    slots = ()
+    rws = ()
+    vals = ()
+    for t in tl.static_range(NT):
+        if DEDUPE:
+            tok = t
+            m = (kk < K) & (t < T)
+            ids_t = tl.load(ids_ptr + tok * K + kk, mask=m, other=-1).to(tl.int32)
+            match = (ids_t == e) & m
+        else:
+            tok = s // K
+            match = kk == s % K
+        rw_t = tl.load(rw_ptr + tok * K + kk, mask=match, other=0.0).to(tl.float32)
+        toks = toks + (tok,)
+        slots = slots + (tok * K + tl.sum(tl.where(match, kk, 0), axis=0),)
+        rws = rws + (tl.sum(rw_t, axis=0),)
+        vals = vals + (tl.max(match.to(tl.int32), axis=0) > 0,)
+    return toks, slots, rws, vals
+
+
+@triton.jit
+def _is_first(ids_ptr, e, s, S: tl.constexpr, S_PAD: tl.constexpr):
+    """True when slot s is the first slot (in t*K + k order) that chose expert e."""
+    sl = tl.arange(0, S_PAD)
+    ids_all = tl.load(ids_ptr + sl, mask=sl < S, other=-1).to(tl.int32)
+    return tl.min(tl.where(ids_all == e, sl, S_PAD), axis=0) == s
+
+
+@triton.jit
+def mxfp4_moe_stage1_kernel(
+    x_ptr, ids_ptr, rw_ptr, w13_ptr, s13_ptr, act_ptr, limit,
+    T: tl.constexpr, K: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
+    BN: tl.constexpr, RS: tl.constexpr, BKW: tl.constexpr, UNROLL: tl.constexpr,
+    NT: tl.constexpr, K_PAD: tl.constexpr, S_PAD: tl.constexpr, DEDUPE: tl.constexpr, PREFETCH: tl.constexpr,
+):
+    s = tl.program_id(0)  # slot t*K + k
+    nb = tl.program_id(1)  # block of RS*BN gate rows (and the matching up rows)
+    e = tl.load(ids_ptr + s).to(tl.int32)
+    if DEDUPE:
+        work = _is_first(ids_ptr, e, s, T * K, S_PAD)
+    else:
+        work = True
+    if work:
+        HW: tl.constexpr = H // 8  # int32 words per row
+        HG: tl.constexpr = H // 32  # scale bytes per row
+        R: tl.constexpr = 2 * RS  # word tiles per step: (gate, up) x RS row blocks
+        toks, slots, rws, valid = _slot_tokens(ids_ptr, rw_ptr, e, s, T, K, NT, K_PAD, DEDUPE)
+        x_offs = ()
+        for t in tl.static_range(NT):
+            x_offs = x_offs + (toks[t] * H,)
+        sub = tl.arange(0, BN)
+        w_e = w13_ptr + e.to(tl.int64) * (2 * I * HW)
+        s_e = s13_ptr + e.to(tl.int64) * (2 * I * HG)
+        row0s = ()
+        for r in tl.static_range(R):
+            row0s = row0s + (nb * (RS * BN) + (r // 2) * BN + (r % 2) * I,)  # even r: gate rows, odd r: up rows
+        accs = _stream(_zeros(NT * R, BN, BKW), w_e, s_e, row0s, HW, HG, HW, x_ptr, x_offs, valid,
+                       BN, BKW, R, NT, DEDUPE, UNROLL, PREFETCH)
+        lim = tl.where(limit > 0, limit, float("inf"))
+        for t in tl.static_range(NT):
+            out = act_ptr + slots[t] * I + nb * (RS * BN) + sub
+            for rs in tl.static_range(RS):
+                g = tl.sum(accs[t * R + 2 * rs], axis=1)
+                u = tl.sum(accs[t * R + 2 * rs + 1], axis=1)
+                a = tl.minimum(g / (1.0 + tl.exp(-g)), lim)  # silu, clamped above
+                u = tl.minimum(tl.maximum(u, -lim), lim)
+                tl.store(out + rs * BN, a * u * rws[t], mask=valid[t] & (sub >= 0))
+
+
+@triton.jit
+def mxfp4_moe_stage2_kernel(
+    act_ptr, ids_ptr, w2_ptr, s2_ptr, part_ptr, cnt_ptr, y_ptr,
+    T: tl.constexpr, K: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
+    BN: tl.constexpr, RS: tl.constexpr, BKW: tl.constexpr, UNROLL: tl.constexpr,
+    NT: tl.constexpr, K_PAD: tl.constexpr, S_PAD: tl.constexpr, DEDUPE: tl.constexpr, PREFETCH: tl.constexpr,
+):
+    nb = tl.program_id(0)  # block of RS*BN output rows
+    s = tl.program_id(1)  # slot t*K + k
+    IW: tl.constexpr = I // 8
+    IG: tl.constexpr = I // 32
+    rows = nb * (RS * BN) + tl.arange(0, BN)
+    e = tl.load(ids_ptr + s).to(tl.int32)
+    if DEDUPE:
+        work = _is_first(ids_ptr, e, s, T * K, S_PAD)
+    else:
+        work = True
+    if work:
+        # Routing weights are already folded into act: rws (read from ids_ptr here) is unused.
+        toks, slots, rws, valid = _slot_tokens(ids_ptr, ids_ptr, e, s, T, K, NT, K_PAD, DEDUPE)
+        a_offs = ()
+        for t in tl.static_range(NT):
+            a_offs = a_offs + (slots[t] * I,)
+        w_e = w2_ptr + e.to(tl.int64) * (H * IW)
+        s_e = s2_ptr + e.to(tl.int64) * (H * IG)
+        row0s = ()
+        for r in tl.static_range(RS):
+            row0s = row0s + (nb * (RS * BN) + r * BN,)
+        accs = _stream(_zeros(NT * RS, BN, BKW), w_e, s_e, row0s, IW, IG, IW, act_ptr, a_offs, valid,
+                       BN, BKW, RS, NT, DEDUPE, UNROLL, PREFETCH)
+        for t in tl.static_range(NT):
+            out = part_ptr + slots[t] * H + rows
+            for r in tl.static_range(RS):
+                tl.store(out + r * BN, tl.sum(accs[t * RS + r], axis=1), mask=valid[t] & (rows >= 0))
+    # The last of the T*K programs of this row block sums the slots (stores above -> barrier -> release).
+    tl.debug_barrier()
+    done = tl.atomic_add(cnt_ptr + nb, 1, sem="acq_rel", scope="gpu")
+    if done == T * K - 1:
+        tl.debug_barrier()
+        for t in tl.static_range(T):
+            for r in tl.static_range(RS):
+                y = tl.zeros([BN], dtype=tl.float32)
+                for k in tl.static_range(K):
+                    y += tl.load(part_ptr + (t * K + k) * H + rows + r * BN, cache_modifier=".cg")
+                tl.store(y_ptr + t * H + rows + r * BN, y.to(tl.bfloat16))
+        tl.store(cnt_ptr + nb, 0)  # ready for the next launch
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    bn1: int = 16  # gate rows per stage-1 word tile (plus as many up rows)
+    rs1: int = 2  # row tiles per stage-1 program, sharing each activation load
+    bkw1: int = 32  # int32 words (8 codes each) per step along H
+    unroll1: int = 1  # k-loop unroll factor
+    warps1: int = 4
+    bn2: int = 16  # output rows per stage-2 word tile
+    rs2: int = 2
+    bkw2: int = 32
+    unroll2: int = 1
+    warps2: int = 4
+    dedupe: bool = True
+    prefetch: bool = False  # one-step software pipelining of the k loop (not yet measured on a GPU)
+
+
+# Best measured on the H200 at the Ling-3.0-flash shape (H=2560, I=768, K=8); see docs/benchmarks.md.
+_TUNED: dict[tuple[int, int, int], MoeConfig] = {
+    (1, 2560, 768): MoeConfig(rs1=1, unroll1=2),
+}
+
+
+def moe_config(T: int, H: int, I: int) -> MoeConfig:
+    """Tuned config for this shape, else a default. Several tokens default to per-slot programs: on
+    the H200 DEDUPE's shared decode did not pay for its per-token arithmetic and registers (repeated
+    experts are re-read from L2, not HBM, when their slots run side by side)."""
+    return _TUNED.get((T, H, I)) or (MoeConfig() if T == 1 else MoeConfig(dedupe=False))
+
+
+@dataclass
+class MoeWorkspace:
+    """Scratch for one mxfp4_moe call shape; reusable across calls and layers (stream-ordered)."""
+    act: torch.Tensor  # fp32 [T*K, I]
+    part: torch.Tensor  # fp32 [T*K, H]
+    count: torch.Tensor  # int32 [>= H / bn2], zero between launches
+
+
+def mxfp4_moe_workspace(T: int, K: int, H: int, I: int, device) -> MoeWorkspace:
+    return MoeWorkspace(
+        act=torch.empty(T * K, I, dtype=torch.float32, device=device),
+        part=torch.empty(T * K, H, dtype=torch.float32, device=device),
+        count=torch.zeros(max(1, H // 4), dtype=torch.int32, device=device),
+    )
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _fit(block: int, n: int) -> int:
+    """Largest power of two <= block that divides n."""
+    b = block
+    while b > 1 and n % b:
+        b //= 2
+    return b
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def mxfp4_moe(
+    x: torch.Tensor,  # [T, H] bf16
+    topk_ids: torch.Tensor,  # [T, K] int32/int64
+    topk_weights: torch.Tensor,  # [T, K] fp32
+    w13: torch.Tensor,  # [E, 2I, H/2] uint8
+    w13_scale: torch.Tensor,  # [E, 2I, H/32] uint8
+    w2: torch.Tensor,  # [E, H, I/2] uint8
+    w2_scale: torch.Tensor,  # [E, H, I/32] uint8
+    swiglu_limit: float = 0.0,
+    *,
+    out: torch.Tensor | None = None,  # [T, H] bf16
+    workspace: MoeWorkspace | None = None,
+    config: MoeConfig | None = None,
+) -> torch.Tensor:
+    """Routed MXFP4 experts for T tokens: sum_k w[t,k] * down_e(swiglu_L(gate_e x_t, up_e x_t)) -> bf16 [T, H].
+
+    The experts of one token must be distinct (as top-k gives them); tokens may share experts.
+    Pass `out` and `workspace` (mxfp4_moe_workspace) to allocate nothing, e.g. under CUDA graphs.
+    """
+    T, H = x.shape
+    E = w13.shape[0]
+    inter = w13.shape[1] // 2
+    K = topk_ids.shape[1]
+    assert x.dtype == torch.bfloat16 and x.is_contiguous(), "x must be contiguous bf16 [T, H]"
+    assert 1 <= T <= 8, f"T={T}: this kernel serves decode windows of 1..8 tokens"
+    assert topk_ids.shape == (T, K) and topk_ids.dtype in (torch.int32, torch.int64) and topk_ids.is_contiguous()
+    assert topk_weights.shape == (T, K) and topk_weights.dtype == torch.float32 and topk_weights.is_contiguous()
+    assert H % 32 == 0 and inter % 32 == 0, "H and I must be multiples of the MX group (32)"
+    assert w13.dtype == torch.uint8 and w13.shape == (E, 2 * inter, H // 2) and w13.is_contiguous()
+    assert w13_scale.dtype == torch.uint8 and w13_scale.shape == (E, 2 * inter, H // 32) and w13_scale.is_contiguous()
+    assert w2.dtype == torch.uint8 and w2.shape == (E, H, inter // 2) and w2.is_contiguous()
+    assert w2_scale.dtype == torch.uint8 and w2_scale.shape == (E, H, inter // 32) and w2_scale.is_contiguous()
+    assert w13.storage_offset() % 4 == 0 and w2.storage_offset() % 4 == 0, "weights must be 4-byte aligned"
+    if not _interpreting():
+        assert x.is_cuda, "mxfp4_moe runs on CUDA (mxfp4_moe_reference is the CPU twin)"
+    cfg = config or moe_config(T, H, inter)
+    if out is None:
+        out = torch.empty(T, H, dtype=torch.bfloat16, device=x.device)
+    assert out.shape == (T, H) and out.dtype == torch.bfloat16 and out.is_contiguous()
+    if workspace is None:
+        workspace = mxfp4_moe_workspace(T, K, H, inter, x.device)
+    ws = workspace
+    assert ws.act.dtype == torch.float32 and ws.act.numel() >= T * K * inter
+    assert ws.part.dtype == torch.float32 and ws.part.numel() >= T * K * H
+    assert ws.count.dtype == torch.int32 and ws.count.numel() >= H // (cfg.bn2 * cfg.rs2)
+
+    launch = _plan(T, K, H, inter, cfg)
+    w13_i32, w2_i32 = w13.view(torch.int32), w2.view(torch.int32)
+    launch.stage1(x, topk_ids, topk_weights, w13_i32, w13_scale, ws.act, float(swiglu_limit))
+    launch.stage2(ws.act, topk_ids, w2_i32, w2_scale, ws.part, ws.count, out)
+    return out
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """Grids and constexprs of both stages for one (T, K, H, I, config); the benchmark times them apart."""
+    grid1: tuple
+    grid2: tuple
+    meta1: dict
+    meta2: dict
+
+    def stage1(self, x, ids, rw, w13_i32, s13, act, limit: float) -> None:
+        mxfp4_moe_stage1_kernel[self.grid1](x, ids, rw, w13_i32, s13, act, limit, **self.meta1)
+
+    def stage2(self, act, ids, w2_i32, s2, part, count, out) -> None:
+        mxfp4_moe_stage2_kernel[self.grid2](act, ids, w2_i32, s2, part, count, out, **self.meta2)
+
+
+def _plan(T: int, K: int, H: int, inter: int, cfg: MoeConfig) -> _Plan:
+    dedupe = cfg.dedupe and T > 1
+    bn1, bkw1 = _fit(cfg.bn1, inter), max(4, _fit(cfg.bkw1, H // 8))
+    bn2, bkw2 = _fit(cfg.bn2, H), max(4, _fit(cfg.bkw2, inter // 8))
+    rs1, rs2 = _fit(cfg.rs1, inter // bn1), _fit(cfg.rs2, H // bn2)
+    common = dict(T=T, K=K, H=H, I=inter, NT=_pow2(T) if dedupe else 1, K_PAD=_pow2(K), S_PAD=_pow2(T * K),
+                  DEDUPE=dedupe, PREFETCH=cfg.prefetch)
+    return _Plan(
+        grid1=(T * K, inter // (bn1 * rs1)),
+        grid2=(H // (bn2 * rs2), T * K),
+        meta1=dict(common, BN=bn1, RS=rs1, BKW=bkw1, UNROLL=cfg.unroll1, num_warps=cfg.warps1),
+        meta2=dict(common, BN=bn2, RS=rs2, BKW=bkw2, UNROLL=cfg.unroll2, num_warps=cfg.warps2),
+    )

@@ -1,0 +1,270 @@
+"""Decode kernels: torch twins vs an independent plain computation (CPU, always), the Triton kernels
+vs their twins (CUDA), and tiny kernels under Triton's CPU interpreter (when triton is installed).
+
+Tolerances, as ||out - ref|| / ||ref|| over the whole output:
+  twins vs plain float64 loops: 1e-5 for fp32 outputs, 1e-2 where the twin rounds to bf16;
+  kernels vs twins: 1e-2 for bf16 outputs (both round fp32 sums to bf16: ~2^-9 per element, plus
+  summation order), 1e-5 for fp32 logits; argmax: the kernel's token must reach the twin's max logit.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from sparkchat.engine.kernels import reference as ref
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+GPU = torch.cuda.is_available() and HAS_TRITON
+gpu = pytest.mark.skipif(not GPU, reason="needs a CUDA device and triton")
+
+
+def rel_err(out: torch.Tensor, want: torch.Tensor) -> float:
+    out, want = out.double(), want.double()
+    return ((out - want).norm() / want.norm().clamp_min(1e-30)).item()
+
+
+# ---------------------------------------------------------------- random inputs in the engine formats
+def make_experts(E: int, H: int, I: int, device="cpu", gen=None):
+    """Random MXFP4 experts: all 256 byte values, E8M0 scales 2^-9..2^-3 (real weights' range)."""
+    def rnd(shape, lo, hi):
+        return torch.randint(lo, hi, shape, dtype=torch.uint8, generator=gen).to(device)
+    return (rnd((E, 2 * I, H // 2), 0, 256), rnd((E, 2 * I, H // 32), 118, 125),
+            rnd((E, H, I // 2), 0, 256), rnd((E, H, I // 32), 118, 125))
+
+
+def make_routing(T: int, K: int, E: int, repeat: int = 0, gen=None):
+    """Distinct experts per token; token t reuses `repeat` experts of token t-1. Weights like the
+    router's (normalized, x2.5)."""
+    rows = []
+    for t in range(T):
+        keep = rows[-1][:repeat] if (t and repeat) else []
+        rest = [e for e in torch.randperm(E, generator=gen).tolist() if e not in keep]
+        rows.append(keep + rest[: K - len(keep)])
+    ids = torch.tensor(rows, dtype=torch.int32)
+    w = torch.rand(T, K, generator=gen) + 0.1
+    return ids, (w / w.sum(-1, keepdim=True) * 2.5).float()
+
+
+def make_fp8(N: int, K: int, device="cpu", gen=None):
+    w = (torch.randn(N, K, generator=gen) * 0.7).to(torch.float8_e4m3fn).to(device)
+    scale_inv = torch.exp2(torch.randint(-9, -3, (math.ceil(N / 128), math.ceil(K / 128)), generator=gen)).float()
+    return w, scale_inv.to(device)
+
+
+# ---------------------------------------------------------------- independent plain computations (float64)
+def e2m1_formula(code: int) -> float:
+    s, e, m = code >> 3, (code >> 1) & 3, code & 1
+    v = m * 0.5 if e == 0 else 2.0 ** (e - 1) * (1 + m / 2)
+    return -v if s else v
+
+
+def plain_dequant_mxfp4(w_u8: torch.Tensor, s_u8: torch.Tensor) -> torch.Tensor:
+    """Byte by byte: low nibble = even column; float64."""
+    R, C2 = w_u8.shape
+    table = torch.tensor([e2m1_formula(c) for c in range(16)], dtype=torch.float64)
+    lo, hi = table[(w_u8 & 15).long()], table[(w_u8 >> 4).long()]
+    vals = torch.empty(R, 2 * C2, dtype=torch.float64)
+    vals[:, 0::2], vals[:, 1::2] = lo, hi
+    scale = torch.tensor([[math.ldexp(1.0, int(s) - 127) for s in row] for row in s_u8.tolist()], dtype=torch.float64)
+    return vals * scale.repeat_interleave(32, dim=1)
+
+
+def plain_moe(x, ids, wts, w13, s13, w2, s2, limit):
+    T, H = x.shape
+    inter = w13.shape[1] // 2
+    y = torch.zeros(T, H, dtype=torch.float64)
+    for t in range(T):
+        for k in range(ids.shape[1]):
+            e = int(ids[t, k])
+            W = plain_dequant_mxfp4(w13[e], s13[e])
+            gu = W @ x[t].double()
+            g, u = gu[:inter], gu[inter:]
+            a = g * torch.sigmoid(g)
+            if limit > 0:
+                a, u = a.clamp(max=limit), u.clamp(-limit, limit)
+            y[t] += float(wts[t, k]) * (plain_dequant_mxfp4(w2[e], s2[e]) @ (a * u))
+    return y
+
+
+def plain_fp8_block(x, w, scale_inv):
+    N, K = w.shape
+    wd = w.double()
+    for i in range(0, N, 128):
+        for j in range(0, K, 128):
+            wd[i:i + 128, j:j + 128] *= float(scale_inv[i // 128, j // 128])
+    return x.double() @ wd.T
+
+
+# ---------------------------------------------------------------- CPU: the twins
+def test_e2m1_table_and_nibble_order():
+    assert [e2m1_formula(c) for c in range(16)] == list(ref.E2M1_VALUES)
+    w = torch.tensor([[0x21, 0xF8]], dtype=torch.uint8)  # codes 1, 2 | 8, 15
+    s = torch.tensor([[127]], dtype=torch.uint8)
+    got = ref.dequant_mxfp4(w.repeat(1, 8), s)[0, :4].tolist()
+    assert got == [0.5, 1.0, -0.0, -6.0]
+    assert ref.dequant_mxfp4(w.repeat(1, 8), torch.tensor([[130]], dtype=torch.uint8))[0, 1].item() == 8.0
+
+
+def test_dequant_mxfp4_matches_plain():
+    gen = torch.Generator().manual_seed(1)
+    w = torch.randint(0, 256, (48, 64), dtype=torch.uint8, generator=gen)
+    s = torch.randint(100, 140, (48, 4), dtype=torch.uint8, generator=gen)
+    assert torch.equal(ref.dequant_mxfp4(w, s).double(), plain_dequant_mxfp4(w, s))
+
+
+@pytest.mark.parametrize("T,repeat", [(1, 0), (2, 4), (4, 0), (5, 3)])
+@pytest.mark.parametrize("limit", [0.0, 0.02])
+def test_moe_reference_vs_plain(T, repeat, limit):
+    gen = torch.Generator().manual_seed(T * 10 + repeat)
+    E, H, I, K = 12, 64, 32, 4
+    w13, s13, w2, s2 = make_experts(E, H, I, gen=gen)
+    ids, wts = make_routing(T, K, E, repeat, gen=gen)
+    x = torch.randn(T, H, generator=gen).bfloat16()
+    want = plain_moe(x, ids, wts, w13, s13, w2, s2, limit)
+    assert rel_err(ref.mxfp4_moe_reference(x, ids, wts, w13, s13, w2, s2, limit), want) < 1e-2
+    assert rel_err(ref.mxfp4_moe_baseline(x, ids, wts, w13, s13, w2, s2, limit), want) < 2e-2
+
+
+def test_swiglu_clamp_is_active():
+    g = torch.tensor([-10.0, 0.5, 10.0])
+    u = torch.tensor([9.0, -9.0, 9.0])
+    assert torch.allclose(ref.swiglu(g, u, 0.0), torch.nn.functional.silu(g) * u)
+    assert torch.allclose(ref.swiglu(g, u, 4.0), torch.nn.functional.silu(g).clamp(max=4.0) * u.clamp(-4, 4))
+
+
+@pytest.mark.parametrize("N,K", [(256, 384), (200, 136), (576, 512)])
+@pytest.mark.parametrize("T", [1, 5])
+def test_fp8_block_reference_vs_plain(N, K, T):
+    gen = torch.Generator().manual_seed(N + K + T)
+    w, si = make_fp8(N, K, gen=gen)
+    x = torch.randn(T, K, generator=gen).bfloat16()
+    assert rel_err(ref.fp8_block_gemv_reference(x, w, si), plain_fp8_block(x, w, si)) < 1e-2
+
+
+def test_fp8_head_reference_vs_plain():
+    gen = torch.Generator().manual_seed(7)
+    w, _ = make_fp8(300, 256, gen=gen)
+    scale = torch.rand(300, generator=gen) + 0.5
+    x = torch.randn(3, 256, generator=gen).bfloat16()
+    want = (x.double() @ w.double().T) * scale.double()
+    assert rel_err(ref.fp8_head_gemv_reference(x, w, scale), want) < 1e-5
+    assert torch.equal(ref.fp8_head_argmax_reference(x, w, scale), want.argmax(-1))
+
+
+# ---------------------------------------------------------------- CUDA: kernels vs twins
+@gpu
+@pytest.mark.parametrize("shape", [(16, 256, 128, 4), (512, 2560, 768, 8)], ids=["small", "ling"])
+@pytest.mark.parametrize("T,repeat", [(1, 0), (2, 4), (4, 0), (4, 4), (5, 2)])
+@pytest.mark.parametrize("limit", [0.0, 4.0])
+@pytest.mark.parametrize("dedupe,prefetch", [(True, False), (False, False), (False, True)])
+def test_mxfp4_moe_gpu(shape, T, repeat, limit, dedupe, prefetch):
+    from sparkchat.engine.kernels.mxfp4_moe import MoeConfig, moe_config, mxfp4_moe, mxfp4_moe_workspace
+    E, H, I, K = shape
+    gen = torch.Generator().manual_seed(hash((shape, T, repeat)) % 2**31)
+    w13, s13, w2, s2 = make_experts(E, H, I, "cuda", gen)
+    ws = mxfp4_moe_workspace(T, K, H, I, "cuda")
+    ws.act.fill_(float("nan"))
+    ws.part.fill_(float("nan"))
+    cfg = MoeConfig(**{**moe_config(T, H, I).__dict__, "dedupe": dedupe, "prefetch": prefetch})
+    for _ in range(2):  # fresh inputs, same workspace: the slot counters must have reset
+        ids, wts = make_routing(T, K, E, repeat, gen)
+        ids, wts = ids.cuda(), wts.cuda()
+        x = (torch.randn(T, H, generator=gen) * 2).bfloat16().cuda()
+        out = torch.full((T, H), float("nan"), dtype=torch.bfloat16, device="cuda")
+        mxfp4_moe(x, ids, wts, w13, s13, w2, s2, limit, out=out, workspace=ws, config=cfg)
+        want = ref.mxfp4_moe_reference(x, ids, wts, w13, s13, w2, s2, limit)
+        assert not out.isnan().any()
+        assert rel_err(out, want) < 1e-2
+    assert ws.count.eq(0).all()
+
+
+@gpu
+def test_mxfp4_moe_int64_ids_and_defaults():
+    from sparkchat.engine.kernels.mxfp4_moe import mxfp4_moe
+    gen = torch.Generator().manual_seed(3)
+    w13, s13, w2, s2 = make_experts(8, 128, 64, "cuda", gen)
+    ids, wts = make_routing(3, 4, 8, 2, gen)
+    x = torch.randn(3, 128, generator=gen).bfloat16().cuda()
+    out = mxfp4_moe(x, ids.long().cuda(), wts.cuda(), w13, s13, w2, s2, 0.0)
+    assert rel_err(out, ref.mxfp4_moe_reference(x, ids.cuda(), wts.cuda(), w13, s13, w2, s2, 0.0)) < 1e-2
+
+
+@gpu
+@pytest.mark.parametrize("N,K", [(256, 256), (200, 144), (576, 512), (2560, 4096), (20480, 2560)])
+@pytest.mark.parametrize("T", [1, 2, 4, 5])
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_fp8_block_gemv_gpu(N, K, T, prefetch):
+    from sparkchat.engine.kernels.fp8_gemv import fp8_block_gemv, gemv_config
+    gen = torch.Generator().manual_seed(N * 7 + K + T)
+    w, si = make_fp8(N, K, "cuda", gen)
+    x = torch.randn(T, K, generator=gen).bfloat16().cuda()
+    out = torch.full((T, N), float("nan"), dtype=torch.bfloat16, device="cuda")
+    cfg = gemv_config("block", T)
+    fp8_block_gemv(x, w, si, out=out, config=type(cfg)(**{**cfg.__dict__, "prefetch": prefetch}))
+    assert rel_err(out, ref.fp8_block_gemv_reference(x, w, si)) < 1e-2
+
+
+@gpu
+@pytest.mark.parametrize("V,H", [(300, 256), (157184, 2560)])
+@pytest.mark.parametrize("T", [1, 2, 4, 5])
+def test_fp8_head_gpu(V, H, T):
+    from sparkchat.engine.kernels import fp8_head_argmax, fp8_head_gemv
+    gen = torch.Generator().manual_seed(V + T)
+    w, _ = make_fp8(V, H, "cuda", gen)
+    scale = (torch.rand(V, generator=gen) * 0.02 + 0.01).cuda()
+    x = torch.randn(T, H, generator=gen).bfloat16().cuda()
+    want = ref.fp8_head_gemv_reference(x, w, scale)
+    logits = torch.full((T, V), float("nan"), device="cuda")
+    fp8_head_gemv(x, w, scale, out=logits)
+    assert rel_err(logits, want) < 1e-5
+    tok = fp8_head_argmax(x, w, scale)
+    assert tok.dtype == torch.int64 and tok.shape == (T,)
+    picked = want.gather(1, tok[:, None])[:, 0]
+    assert torch.allclose(picked, want.max(-1).values, rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------- Triton's CPU interpreter, tiny shapes
+_INTERPRET_SCRIPT = textwrap.dedent("""
+    import torch
+    from sparkchat.engine.kernels import GemvConfig, fp8_block_gemv, fp8_head_argmax, fp8_head_gemv
+    from sparkchat.engine.kernels.mxfp4_moe import mxfp4_moe
+    from sparkchat.engine.kernels import reference as ref
+    from sparkchat.engine.kernels.mxfp4_moe import MoeConfig
+    from tests.test_kernels import make_experts, make_fp8, make_routing, rel_err
+    gen = torch.Generator().manual_seed(0)
+    w13, s13, w2, s2 = make_experts(6, 64, 32, gen=gen)
+    for T, repeat, dedupe, limit, prefetch in [(1, 0, True, 0.0, False), (3, 2, True, 0.02, True),
+                                               (2, 3, False, 0.0, False), (1, 0, False, 0.02, True)]:
+        ids, wts = make_routing(T, 4, 6, repeat, gen)
+        x = torch.randn(T, 64, generator=gen).bfloat16()
+        cfg = MoeConfig(bn1=4, rs1=2, bkw1=8, bn2=8, rs2=2, bkw2=4, dedupe=dedupe, prefetch=prefetch)
+        out = mxfp4_moe(x, ids, wts, w13, s13, w2, s2, limit, config=cfg)
+        assert rel_err(out, ref.mxfp4_moe_reference(x, ids, wts, w13, s13, w2, s2, limit)) < 1e-2, T
+    w, si = make_fp8(200, 96, gen=gen)
+    x = torch.randn(2, 96, generator=gen).bfloat16()
+    for prefetch in (False, True):
+        cfg = GemvConfig(bn=16, rs=2, bk=64, prefetch=prefetch)
+        assert rel_err(fp8_block_gemv(x, w, si, config=cfg), ref.fp8_block_gemv_reference(x, w, si)) < 1e-2
+    scale = torch.rand(200, generator=gen) + 0.5
+    want = ref.fp8_head_gemv_reference(x, w, scale)
+    assert rel_err(fp8_head_gemv(x, w, scale), want) < 1e-5
+    assert torch.equal(fp8_head_argmax(x, w, scale), want.argmax(-1))
+    print("interpreter ok")
+""")
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+def test_kernels_under_triton_interpreter():
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-c", _INTERPRET_SCRIPT], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "interpreter ok" in proc.stdout, proc.stderr[-3000:]
