@@ -72,9 +72,11 @@ def test_fast_path_matches_the_reference_path(model_dirs, which):
                                  cuda_graphs=False)
     for switches in (dict(mxfp4_kernels=True, cuda_graphs=False), dict(mxfp4_kernels=True, cuda_graphs=True)):
         fast = _teacher_forced_logits(engine, prompt, ref_tokens, mtp=False, fp8_head=False, **switches)
-        rel = ((fast - ref).abs().amax(-1) / ref.abs().amax(-1)).max().item()
-        top1 = (fast.argmax(-1) == ref.argmax(-1)).float().mean().item()
-        assert rel < 0.05 and top1 >= 0.9, (switches, rel, top1)
+        scale = ref.abs().amax(-1)
+        rel = ((fast - ref).abs().amax(-1) / scale).max().item()
+        # the same greedy token, unless the reference itself is within bf16 noise of a tie there
+        gap = ref.amax(-1) - ref.gather(-1, fast.argmax(-1)[:, None]).squeeze(-1)
+        assert rel < 0.05 and bool((gap <= 0.02 * scale).all()), (switches, rel, gap)
     # speculative decoding on the fast path is lossless against plain decoding on the fast path
     plain, _ = _greedy(engine, prompt, mtp=False, fp8_head=False, mxfp4_kernels=True, cuda_graphs=True)
     spec, s = _greedy(engine, prompt, mtp=True, fp8_head=False, mxfp4_kernels=True, cuda_graphs=True)
