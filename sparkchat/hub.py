@@ -28,7 +28,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sparkchat.engine.checkpoint import DTYPE_BYTES as _DTYPE_BYTES
 from sparkchat.engine.checkpoint import parse_header as read_safetensors_header
 from sparkchat.engine.errors import DownloadError
 

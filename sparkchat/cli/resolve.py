@@ -33,10 +33,6 @@ def resolve_model(model: str | None, announce_demo: bool = True) -> Path:
         return DEMO_DIR
 
 
-def is_demo(path: Path) -> bool:
-    return path.resolve() == DEMO_DIR
-
-
 def _resolve(model: str) -> Path:
     path = Path(model).expanduser()
     if path.is_dir():

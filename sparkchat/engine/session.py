@@ -5,7 +5,7 @@ from __future__ import annotations
 import resource
 
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, replace
+from dataclasses import replace
 from pathlib import Path
 from threading import Event
 from typing import Any
@@ -234,10 +234,3 @@ class Engine:
         if self.device.type == "cuda":
             return int(torch.cuda.max_memory_allocated(self.device))
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-    def describe(self) -> dict[str, Any]:
-        return {"model": self.name, "path": str(self.model_dir), "device": str(self.device),
-                "dtype": str(self.dtype).removeprefix("torch."), "max_context": self.max_context,
-                "switches": asdict(self.switches)}
-
-
