@@ -52,9 +52,15 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp = _moe(cfg, cfg.expert_swiglu_limit_list[idx], cfg.share_expert_swiglu_limit_list[idx])
 
-    def forward(self, x: torch.Tensor, span: Span, state: ConversationState, rotary: RotaryEmbedding,
-                keep_steps: bool) -> tuple[torch.Tensor, KDASteps | None]:
-        h = self.input_layernorm(x)
+    def forward(self, x: torch.Tensor, pending: torch.Tensor | None, span: Span, state: ConversationState,
+                rotary: RotaryEmbedding, keep_steps: bool) -> tuple[torch.Tensor, torch.Tensor, KDASteps | None]:
+        """x: the residual stream; pending: the previous layer's MLP output, not yet added (the add
+        fuses with this layer's input norm). Returns (residual, this layer's MLP output, KDA steps)."""
+        norm_in = self.input_layernorm
+        if pending is None:
+            h = norm_in(x)
+        else:
+            x, h = ops.add_rms_norm(x, pending, norm_in.weight, norm_in.eps)
         steps = None
         if self.is_mla:
             h = self.attention(h, span, state.mla[self.idx], rotary, absorbed=x.shape[0] <= 8)
@@ -63,7 +69,7 @@ class DecoderLayer(nn.Module):
             h, steps = self.attention(h, state.kda[self.idx], keep_steps=keep_steps, chunked=chunked)
         post = self.post_attention_layernorm
         x, h = ops.add_rms_norm(x, h, post.weight, post.eps)
-        return x + self.mlp(h), steps
+        return x, self.mlp(h), steps
 
 
 class MTPLayer(nn.Module):
@@ -159,12 +165,14 @@ class LingModel(nn.Module):
         """
         span = span or Span.contiguous(start, ids.shape[0], ids.device)
         x = self.embed_tokens(ids)
+        pending = None
         kept: dict[int, KDASteps] = {}
         for layer in self.layers:
-            x, steps = layer(x, span, state, self.rotary, keep_steps)
+            x, pending, steps = layer(x, pending, span, state, self.rotary, keep_steps)
             if steps is not None:
                 kept[layer.idx] = steps
-        return self.norm(x), kept
+        _, normed = ops.add_rms_norm(x, pending, self.norm.weight, self.norm.eps)
+        return normed, kept
 
     def draft_logits(self, mtp_hidden: torch.Tensor) -> torch.Tensor:
         """The draft's logits: through the target's own head module, whatever its precision."""

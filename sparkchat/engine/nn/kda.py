@@ -112,7 +112,7 @@ class KimiDeltaAttention(nn.Module):
                 chunked: bool = False) -> tuple[torch.Tensor, KDASteps | None]:
         q, k, v, f, out_gate = project(self.fused, self.input_projections(), x)
         core = kda_core if chunked and not keep_steps else ops.kda_core  # prefill lengths vary: not compiled
-        o, window, rec_steps = core(torch.cat([q, k, v], dim=-1), f, self.b_proj(x), out_gate, state.conv,
+        o, window, rec_steps = core(q, k, v, f, self.b_proj(x), out_gate, state.conv,
                                     state.recurrent, self.conv_weight, self.A_log, self.dt_bias,
                                     self.o_norm_weight, self.heads, self.head_dim, self.safe_gate,
                                     self.lower_bound, self.eps, keep_steps, chunked and not keep_steps)
@@ -120,22 +120,23 @@ class KimiDeltaAttention(nn.Module):
 
 
 @register
-def kda_core(qkv: torch.Tensor, f: torch.Tensor, beta_logit: torch.Tensor, out_gate: torch.Tensor,
+def kda_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor, beta_logit: torch.Tensor,
+             out_gate: torch.Tensor,
              conv_state: torch.Tensor, recurrent: torch.Tensor, conv_w: torch.Tensor, A_log: torch.Tensor,
              dt_bias: torch.Tensor, o_norm_w: torch.Tensor, heads: int, head_dim: int, safe_gate: bool,
              lower_bound: float, eps: float, keep_steps: bool,
              chunked: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Everything of a KDA layer between its input projections and o_proj, updating the conv and
-    recurrent states in place. qkv: [T, 3D] pre-conv; f, out_gate: [T, D]; beta_logit: [T, heads].
+    recurrent states in place. q, k, v, f, out_gate: [T, D] projections; beta_logit: [T, heads].
     Returns (o [T, D] normed and gated, the conv window [K-1+T, 3D], per-position states or None)."""
-    T, dtype = qkv.shape[0], qkv.dtype
+    T, dtype = q.shape[0], q.dtype
     h, d = heads, head_dim
-    window = torch.cat([conv_state.to(dtype), qkv], dim=0)
+    window = torch.cat([conv_state.to(dtype), torch.cat([q, k, v], dim=-1)], dim=0)  # [K-1+T, 3D]
     win32 = window.float()
     conv = sum(win32[j:j + T] * conv_w[:, j] for j in range(conv_w.shape[1]))  # causal depthwise conv
     qkv = F.silu(conv).to(dtype)
     conv_state.copy_(window[T:])
-    q, k, v = (t.reshape(T, h, d).float() for t in qkv.split(h * d, dim=-1))
+    q, k, v = (t.reshape(T, h, d).float() for t in qkv.split(h * d, dim=-1))  # after the conv
     q = l2norm(q) * d ** -0.5
     k = l2norm(k)
     f = f.float().view(T, h, d) + dt_bias.view(h, d)

@@ -53,9 +53,14 @@ def disable_compile() -> None:
 
 
 @register
-def add_rms_norm(x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The residual add, then RMSNorm of the sum (fp32 inside): returns (x + h, norm(x + h))."""
-    x = x + h
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm computed in fp32, cast back, times the weight (as the reference does)."""
     x32 = x.float()
-    normed = weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-    return x, normed
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+@register
+def add_rms_norm(x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual add, then RMSNorm of the sum: returns (x + h, norm(x + h)) in one fused step."""
+    x = x + h
+    return x, rms_norm(x, weight, eps)
