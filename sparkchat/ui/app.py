@@ -1,15 +1,23 @@
 """The terminal app: `SparkchatApp` and `run_app`, the function `sparkchat` (no subcommand) calls.
 
 The engine is injected: an already loaded one, or a factory run in a thread worker at start (the app
-shows "loading…" meanwhile, and "no model loaded" with neither). Screens: chat (the mode the app starts
-in), settings, help and dialogs pushed on top; later screens (models, bench) add a mode or a push.
+shows "loading…" meanwhile, and "no model loaded" with neither). Modes: chat (the one the app starts in),
+models (local models, Hub downloads, switching model) and bench (the optimization table measured here);
+settings, help and dialogs are pushed on top.
+
+One piece of work holds the engine at a time: an answer, a bench run or a model load
+(`engine_busy` says which); the others wait or are refused with that reason.
 """
 
 from __future__ import annotations
 
+import gc
+import inspect
 import os
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -21,23 +29,30 @@ from textual.screen import Screen
 from sparkchat.engine.errors import SparkchatError
 from sparkchat.history import History
 from sparkchat.ui import prefs as prefs_mod
-from sparkchat.ui.messages import EngineFailed, EngineReady
+from sparkchat.ui.messages import EngineFailed, EngineReady, LoadProgress
+from sparkchat.ui.screens.bench import BenchScreen
 from sparkchat.ui.screens.chat import ChatScreen
+from sparkchat.ui.screens.models import ModelsScreen
 
-EngineFactory = Callable[[], Any]
+EngineFactory = Callable[..., Any]  # () or (progress=callback(layers_done, layers_total)) -> engine
 ENGINE_SWITCH_INTERVAL_S = 0.001
 
 
 class SparkchatApp(App[None]):
     CSS_PATH = "app.tcss"
     TITLE = "sparkchat"
-    MODES = {"chat": ChatScreen}
+    MODES = {"chat": ChatScreen, "models": ModelsScreen, "bench": BenchScreen}
     DEFAULT_MODE = "chat"
-    BINDINGS = [Binding("f1", "help", "Help")]
+    BINDINGS = [
+        Binding("f1", "help", "Help"),
+        Binding("f3", "switch_mode('models')", "Models"),
+        Binding("f4", "switch_mode('bench')", "Bench"),
+    ]
 
     def __init__(self, engine: Any | None = None, *, engine_factory: EngineFactory | None = None,
                  history: History | None = None, settings_path: str | os.PathLike[str] | None = None,
-                 model_label: str | None = None, no_model_reason: str | None = None) -> None:
+                 model_label: str | None = None, no_model_reason: str | None = None, device: str = "auto",
+                 dtype: str = "auto", max_context: int = 8192) -> None:
         super().__init__()
         self.engine = engine
         self.engine_factory = engine_factory
@@ -49,6 +64,13 @@ class SparkchatApp(App[None]):
         self.settings_path = Path(settings_path) if settings_path is not None else None  # None: the user's file
         self.prefs = prefs_mod.load(self.settings_path)
         self.chat_screen: ChatScreen | None = None
+        self.models_screen: ModelsScreen | None = None
+        self.bench_screen: BenchScreen | None = None
+        self.load_options = {"device": device, "dtype": dtype, "max_context": max_context}  # for model switches
+        self.model_dir: Path | None = None  # the folder being loaded or loaded, when the app loaded it
+        self.load_progress: tuple[int, int] | None = None  # (layers done, layers total) while loading
+        self.bench_running = False
+        self._engine_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sparkchat-engine")
 
     def on_mount(self) -> None:
         if self.prefs.load_error:
@@ -74,11 +96,29 @@ class SparkchatApp(App[None]):
 
     # -- engine --------------------------------------------------------------------------------------
 
+    def on_engine_thread(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+        """Run `fn` on the app's one engine thread and return its result; call it from a thread worker.
+
+        Every engine call (load, answers, bench) runs on this same thread. PyTorch's CPU ops run on an
+        OpenMP team that belongs to the calling thread; with a second calling thread there are two teams,
+        and OpenMP, seeing more threads than cores, stops spinning between the many small ops of a decode
+        step (3× slower on 2 cores, see docs/app-overhead.md)."""
+        return self._engine_thread.submit(fn, *args, **kwargs).result()
+
+    def on_unmount(self) -> None:
+        self._engine_thread.shutdown(wait=False, cancel_futures=True)
+
     @work(thread=True, group="load", exit_on_error=False)
     def _load_engine(self) -> None:
         assert self.engine_factory is not None
+        factory = self.engine_factory
+
+        def load() -> Any:
+            _release_memory()  # a model being replaced is gone only once collected
+            return _call_factory(factory, lambda done, total: self.post_message(LoadProgress(done, total)))
+
         try:
-            engine = self.engine_factory()
+            engine = self.on_engine_thread(load)
         except SparkchatError as exc:
             self.post_message(EngineFailed(str(exc)))
         except Exception as exc:  # show it instead of crashing the app
@@ -99,17 +139,58 @@ class SparkchatApp(App[None]):
         self.engine = message.engine
         self.engine_status = "ready"
         self.engine_error = None
+        self.load_progress = None
         self.apply_switches()
         self.notify(f"{self.engine.name} loaded", timeout=3)
-        if self.chat_screen is not None:
-            self.chat_screen.engine_changed()
+        self._engine_changed()
 
     def on_engine_failed(self, message: EngineFailed) -> None:
         self.engine_status = "failed"
         self.engine_error = message.error
+        self.load_progress = None
         self.notify(message.error, title="Model not loaded", severity="error", timeout=10)
-        if self.chat_screen is not None:
-            self.chat_screen.engine_changed()
+        self._engine_changed()
+
+    def on_load_progress(self, message: LoadProgress) -> None:
+        if self.engine_status != "loading":
+            return
+        self.load_progress = (message.done, message.total)
+        if self.models_screen is not None:
+            self.models_screen.load_progress_changed()
+
+    def _engine_changed(self) -> None:
+        for screen in (self.chat_screen, self.models_screen, self.bench_screen):
+            if screen is not None and screen.is_attached:
+                screen.engine_changed()
+
+    def engine_busy(self) -> str | None:
+        """Why the engine cannot take other work now, in a few words; None when it can."""
+        if self.engine_status == "loading":
+            return "a model is loading"
+        if self.chat_screen is not None and self.chat_screen.generating:
+            return "still answering in the chat (Esc there stops it)"
+        if self.bench_running:
+            return "the bench is running"
+        return None
+
+    def switch_model(self, model_dir: str | os.PathLike[str], label: str) -> bool:
+        """Unload the engine and load `model_dir` in its place (same device, dtype and context), in the
+        background; LoadProgress reports the layers. False (and a notice) when the engine is busy."""
+        busy = self.engine_busy()
+        if busy:
+            self.notify(f"Cannot switch model now: {busy}.", severity="warning")
+            return False
+        path = Path(model_dir)
+        self.engine = None  # dropped before loading: two large models do not fit side by side
+        self.engine_status = "loading"
+        self.engine_error = None
+        self.model_label = label
+        self.model_dir = path
+        self.load_progress = None
+        self.engine_factory = engine_loader(path, **self.load_options)
+        self._engine_changed()
+        self._load_engine()
+        return True
 
     # -- actions and the command palette -------------------------------------------------------------
 
@@ -123,6 +204,11 @@ class SparkchatApp(App[None]):
         yield from super().get_system_commands(screen)
         chat = self.chat_screen
         yield SystemCommand("Help", "Every key of sparkchat (f1)", self.action_help)
+        yield SystemCommand("Models", "Local models, download from the Hub, switch model (f3)",
+                            lambda: self.switch_mode("models"))
+        yield SystemCommand("Bench", "Measure baseline → +MXFP4 → +FP8 head → +MTP here (f4)",
+                            lambda: self.switch_mode("bench"))
+        yield SystemCommand("Chat", "Back to the conversation", lambda: self.switch_mode("chat"))
         if chat is None:
             return
         yield SystemCommand("New chat", "Start an empty conversation (ctrl+n)", chat.action_new_chat)
@@ -144,26 +230,58 @@ def run_app(model_dir: str | os.PathLike[str] | None = None, *, engine: Any | No
     `no_model_reason` (one line, e.g. how to download the model) when given."""
     factory: EngineFactory | None = None
     if engine is None and model_dir is not None:
-        path = Path(model_dir)
-
-        def load() -> Any:
-            from sparkchat.engine import Engine  # torch loads here, inside the worker
-
-            return Engine.load(path, device=device, dtype=dtype, max_context=max_context)
-
-        factory = load
+        factory = engine_loader(Path(model_dir), device=device, dtype=dtype, max_context=max_context)
 
     history = History()
+    try:
+        with engine_thread_settings():
+            app = SparkchatApp(engine, engine_factory=factory, history=history,
+                               model_label=Path(model_dir).name if model_dir is not None else None,
+                               no_model_reason=no_model_reason, device=device, dtype=dtype,
+                               max_context=max_context)
+            if factory is not None:
+                app.model_dir = Path(model_dir)
+            app.run()
+    finally:
+        history.close()
+    return app.return_code or 0
+
+
+@contextmanager
+def engine_thread_settings() -> Iterator[None]:
+    """Process settings for an engine that runs beside the UI (run_app uses them; so does
+    benchmarks/app_overhead.py, to measure the app as users run it)."""
     # The engine thread gives the GIL back to the UI thread and takes it again on every step; a short
     # switch interval lets it take it back sooner while the UI renders (the default is 5 ms).
     switch_interval = sys.getswitchinterval()
     sys.setswitchinterval(ENGINE_SWITCH_INTERVAL_S)
     try:
-        app = SparkchatApp(engine, engine_factory=factory, history=history,
-                           model_label=Path(model_dir).name if model_dir is not None else None,
-                           no_model_reason=no_model_reason)
-        app.run()
+        yield
     finally:
         sys.setswitchinterval(switch_interval)
-        history.close()
-    return app.return_code or 0
+
+
+def engine_loader(path: Path, *, device: str = "auto", dtype: str = "auto", max_context: int = 8192) -> EngineFactory:
+    """A factory that loads the model in `path`, reporting layers to `progress`."""
+    def load(progress: Callable[[int, int], None] | None = None) -> Any:
+        from sparkchat.engine import Engine  # torch loads here, inside the worker
+
+        return Engine.load(path, device=device, dtype=dtype, max_context=max_context, progress=progress)
+
+    return load
+
+
+def _call_factory(factory: EngineFactory, progress: Callable[[int, int], None]) -> Any:
+    try:
+        takes_progress = "progress" in inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        takes_progress = False
+    return factory(progress=progress) if takes_progress else factory()
+
+
+def _release_memory() -> None:
+    """Collect a dropped engine now, and give its GPU memory back to the device."""
+    gc.collect()
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available():
+        torch.cuda.empty_cache()

@@ -45,3 +45,64 @@ class StreamDone(Message):
         self.stats = stats
         self.finish_reason = finish_reason
         self.error = error
+
+
+class LoadProgress(Message):
+    """A model switch: `done` of `total` layers loaded."""
+
+    def __init__(self, done: int, total: int) -> None:
+        super().__init__()
+        self.done = done
+        self.total = total
+
+
+class ModelsListed(Message):
+    """The local models (sparkchat.hub.LocalModel), or the one-line reason they could not be listed."""
+
+    def __init__(self, models: list[Any], error: str | None = None) -> None:
+        super().__init__()
+        self.models = models
+        self.error = error
+
+
+class DownloadProgress(Message):
+    """Wake-up: a Hub download's byte count moved; `latest.take()` gives (done, total) as of now
+    (total 0: not known yet). One is pending at a time, however often the hub reports."""
+
+    def __init__(self, repo_id: str, latest: Any) -> None:
+        super().__init__()
+        self.repo_id = repo_id
+        self.latest = latest  # sparkchat.ui.screens.models.Latest
+
+
+class DownloadDone(Message):
+    """A Hub download ended: `path` on success, else `error` (one line; cancelled ones say so)."""
+
+    def __init__(self, repo_id: str, path: Any = None, error: str | None = None, cancelled: bool = False) -> None:
+        super().__init__()
+        self.repo_id = repo_id
+        self.path = path
+        self.error = error
+        self.cancelled = cancelled
+
+
+class BenchProgress(Message):
+    """The bench started measuring `step` (one of `steps`, numbered from 1 as `index`)."""
+
+    def __init__(self, step: str, index: int, steps: int) -> None:
+        super().__init__()
+        self.step = step
+        self.index = index
+        self.steps = steps
+
+
+class BenchDone(Message):
+    """The bench ended: a sparkchat.engine.bench.BenchResult, or one line saying why not."""
+
+    def __init__(self, result: Any = None, source: str = "", error: str | None = None,
+                 cancelled: bool = False) -> None:
+        super().__init__()
+        self.result = result
+        self.source = source
+        self.error = error
+        self.cancelled = cancelled

@@ -22,9 +22,18 @@ from sparkchat.engine.events import GenerationStats, SamplingParams
 from sparkchat.ui.messages import StreamChunk, StreamDone
 
 FLUSH_S = 0.05  # the UI renders streamed text at most this often
+# ... and this often when the engine computes on the CPU: each render (a layout and compositor pass of
+# ~5 ms) then takes a core from the engine's threads; see docs/app-overhead.md
+FLUSH_CPU_S = 0.15
 SAVE_S = 0.5  # how often the partial answer is written to the history
 MAX_RATE_SAMPLES = 600
 CANCEL_GRACE_EVENTS = 4  # events an engine may still yield after the cancel event before it is closed
+
+
+def flush_interval(engine: Any) -> float:
+    """How often to render an answer streamed by `engine`."""
+    device = getattr(engine, "device", None)
+    return FLUSH_CPU_S if getattr(device, "type", None) == "cpu" else FLUSH_S
 
 
 class StreamBuffer:

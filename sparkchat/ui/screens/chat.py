@@ -2,7 +2,7 @@
 
 The engine runs in a thread worker (`_run_engine`, body in ui/streaming.py) that never touches widgets:
 it fills the answer's StreamBuffer and posts StreamChunk wake-ups and one StreamDone. This screen drains
-the buffer at most every FLUSH_S. One answer at a time; Esc sets the answer's cancel event.
+the buffer at most every FLUSH_S (FLUSH_CPU_S when the engine computes on the CPU). One answer at a time; Esc sets the answer's cancel event.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from sparkchat.ui.format import code_blocks, switches_line, title_from
 from sparkchat.ui.messages import StreamChunk, StreamDone
 from sparkchat.ui.prefs import ChatSettings
 from sparkchat.ui.screens.dialogs import ConfirmScreen, TextPromptScreen, export_path_suggestion
-from sparkchat.ui.streaming import FLUSH_S, Job, RateMeter, run_job
+from sparkchat.ui.streaming import FLUSH_S, Job, RateMeter, flush_interval, run_job
 from sparkchat.ui.widgets.message import AssistantMessage, MessageView, UserMessage
 from sparkchat.ui.widgets.prompt import PromptInput
 from sparkchat.ui.widgets.sidebar import ConversationAction, HistorySidebar
@@ -46,6 +46,7 @@ class _Generation:
     last_drain: float = float("-inf")
     drain_timer: Timer | None = None
     stopping: bool = False
+    flush_s: float = FLUSH_S
 
 
 class ChatScreen(Screen[None]):
@@ -193,6 +194,10 @@ class ChatScreen(Screen[None]):
         if self._gen is not None:
             self.notify("Still answering; Esc stops it.", severity="warning")
             return False
+        if self.app.bench_running:
+            self.notify("The bench is running; ask again when it ends (f4 shows it).",
+                        severity="warning")
+            return False
         return True
 
     async def _mount_message(self, view: MessageView) -> None:
@@ -223,7 +228,7 @@ class ChatScreen(Screen[None]):
         job = Job(self._gen_counter, engine, messages, self.settings.sampling(), self.settings.thinking,
                   reset=self._reset_pending)
         self._reset_pending = False
-        self._gen = _Generation(job.gen_id, job, view, row.id)
+        self._gen = _Generation(job.gen_id, job, view, row.id, flush_s=flush_interval(engine))
         self.query_one(StatsBar).show_idle("prefill…")
         self.refresh_bindings()
         self._run_engine(job, row.id)
@@ -236,14 +241,15 @@ class ChatScreen(Screen[None]):
         def save(content: str, stats: dict[str, Any] | None = None, status: str | None = None) -> None:
             history.update_message(message_id, content, stats=stats, status=status)
 
-        run_job(job, self.post_message, save, is_cancelled=lambda: worker.is_cancelled)
+        # on the app's engine thread, where every engine call runs (see SparkchatApp.on_engine_thread)
+        self.app.on_engine_thread(run_job, job, self.post_message, save, is_cancelled=lambda: worker.is_cancelled)
 
     async def on_stream_chunk(self, message: StreamChunk) -> None:
         gen = self._gen
         if gen is None or message.gen_id != gen.id or gen.drain_timer is not None:
             return
-        wait = gen.last_drain + FLUSH_S - time.monotonic()
-        if wait > 0:  # rendered less than FLUSH_S ago: take what has come by then
+        wait = gen.last_drain + gen.flush_s - time.monotonic()
+        if wait > 0:  # rendered less than flush_s ago: take what has come by then
             gen.drain_timer = self.set_timer(wait, self._drain)
             return
         await self._drain()

@@ -15,6 +15,7 @@ EXTRA_KEYS = {
     "Anywhere": [("Ctrl+P", "Command palette (actions, themes)"), ("Ctrl+Q", "Quit")],
     "Prompt": [("Enter", "Send")],
     "Messages": [("click ⧉ copy", "Copy the message"), ("click a code block", "Copy that code block")],
+    "Models": [("Enter", "Download (in the repo field)")],
 }
 
 
@@ -49,7 +50,9 @@ def binding_rows(bindings: Iterable[BindingType]) -> list[tuple[str, str]]:
 
 def help_sections() -> list[tuple[str, list[tuple[str, str]]]]:
     from sparkchat.ui.app import SparkchatApp
+    from sparkchat.ui.screens.bench import BenchScreen
     from sparkchat.ui.screens.chat import ChatScreen
+    from sparkchat.ui.screens.models import ModelsScreen, ModelTable
     from sparkchat.ui.widgets.message import AssistantMessage, MessageView, UserMessage
     from sparkchat.ui.widgets.prompt import PromptInput
     from sparkchat.ui.widgets.sidebar import HistoryList, HistorySidebar
@@ -60,6 +63,8 @@ def help_sections() -> list[tuple[str, list[tuple[str, str]]]]:
         ("Messages", binding_rows([*MessageView.BINDINGS, *UserMessage.BINDINGS,
                                                                *AssistantMessage.BINDINGS]) + EXTRA_KEYS["Messages"]),
         ("History sidebar", binding_rows([*HistoryList.BINDINGS, *HistorySidebar.BINDINGS])),
+        ("Models (f3)", binding_rows([*ModelTable.BINDINGS, *ModelsScreen.BINDINGS]) + EXTRA_KEYS["Models"]),
+        ("Bench (f4)", binding_rows(BenchScreen.BINDINGS)),
     ]
 
 
