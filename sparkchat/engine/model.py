@@ -111,21 +111,29 @@ class LMHead(nn.Module):
         self.fp8_weight: torch.Tensor | None = None  # [V, H] float8_e4m3fn
         self.fp8_scale: torch.Tensor | None = None  # [V] fp32
         self.use_fp8 = False
+        self.cache_dense = False  # CPU: keep the dequantized FP8 head instead of rebuilding it every step
+        self._dense_fp8: torch.Tensor | None = None
         self.fast_fp8 = None  # set by the GPU path: callable(h, fp8_weight, fp8_scale) -> fp32 logits
 
     def build_fp8(self) -> None:
         from sparkchat.engine.quant import quant_fp8_rows
 
         self.fp8_weight, self.fp8_scale = quant_fp8_rows(self.weight)
+        self._dense_fp8 = None
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         """h: [T, H] → fp32 logits [T, V]."""
         if self.use_fp8:
             if self.fast_fp8 is not None:
                 return self.fast_fp8(h, self.fp8_weight, self.fp8_scale)
-            from sparkchat.engine.quant import dequant_fp8_rows
+            w = self._dense_fp8
+            if w is None or w.dtype != h.dtype:
+                from sparkchat.engine.quant import dequant_fp8_rows
 
-            return (h @ dequant_fp8_rows(self.fp8_weight, self.fp8_scale, dtype=h.dtype).T).float()
+                w = dequant_fp8_rows(self.fp8_weight, self.fp8_scale, dtype=h.dtype)
+                if self.cache_dense:
+                    self._dense_fp8 = w
+            return (h @ w.T).float()
         return (h @ self.weight.to(h.dtype).T).float()
 
 

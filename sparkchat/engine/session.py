@@ -50,11 +50,12 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 def cache_dequantized(model: LingModel) -> None:
     """On the CPU, dequantize each FP8 linear and MXFP4 expert once, on first use, and keep it: the
     reference path then costs a plain matmul per step (the small demo model runs fast this way)."""
+    from sparkchat.engine.model import LMHead
     from sparkchat.engine.nn.linear import Linear
     from sparkchat.engine.nn.moe import Experts
 
     for m in model.modules():
-        if isinstance(m, (Experts, Linear)):
+        if isinstance(m, (Experts, Linear, LMHead)):
             m.cache_dense = True
 
 

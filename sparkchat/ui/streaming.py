@@ -22,9 +22,9 @@ from sparkchat.engine.events import GenerationStats, SamplingParams
 from sparkchat.ui.messages import StreamChunk, StreamDone
 
 FLUSH_S = 0.05  # the UI renders streamed text at most this often
-# ... and this often when the engine computes on the CPU: each render (a layout and compositor pass of
-# ~5 ms) then takes a core from the engine's threads; see docs/app-overhead.md
-FLUSH_CPU_S = 0.15
+# ... and this often when the engine computes on the CPU: each render (a layout and a full compositor
+# pass, a few ms) then takes a core from the engine's threads; see docs/app-overhead.md
+FLUSH_CPU_S = 0.25
 SAVE_S = 0.5  # how often the partial answer is written to the history
 MAX_RATE_SAMPLES = 600
 CANCEL_GRACE_EVENTS = 4  # events an engine may still yield after the cancel event before it is closed

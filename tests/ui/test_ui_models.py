@@ -91,8 +91,8 @@ async def test_download_from_the_hub_with_byte_progress(make_app, fake_hub, monk
     import huggingface_hub.constants as hc
 
     monkeypatch.setattr(hc, "DOWNLOAD_CHUNK_SIZE", 512)  # many progress reports for the tiny files
-    wanted = {name: data for name, data in tiny_model_files().items() if name.endswith((".json", ".jinja", ".safetensors"))}
-    total = sum(len(data) for data in wanted.values())
+    wanted = [data for name, data in tiny_model_files().items() if name.endswith((".json", ".jinja", ".safetensors"))]
+    total = sum(len(data) for data in wanted)
     seen: list[tuple[int, int]] = []
     original = ModelsScreen.on_download_progress
 

@@ -1,10 +1,10 @@
 """The bench screen: NVIDIA's published table (baseline → +MXFP4 → +FP8 head → +MTP) beside the same four
 configurations measured here, as a table and as bars, with the projected DGX Spark figure.
 
-The bench runs in a thread worker (`run_plan`) that only posts BenchProgress and BenchDone. It measures
-the loaded model's weights (and, with an MTP layer, its accept length) or synthetic weights built for the
-run: Ling-3.0-flash-fp4's full shapes on a GPU, a small config on the CPU. While it runs the engine takes
-no answers (`SparkchatApp.engine_busy`); afterwards the engine's own switches are put back.
+A thread worker runs `run_plan` on the app's engine thread and only posts BenchProgress and BenchDone.
+It measures the loaded model's weights (and, with an MTP layer, its accept length) or synthetic weights
+built for the run: Ling-3.0-flash-fp4's full shapes on a GPU, a small config on the CPU. While it runs
+the engine takes no answers (`SparkchatApp.engine_busy`); afterwards its own switches are put back.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from rich.text import Text
 from textual import work
 from textual.app import ComposeResult
 from textual.binding import Binding
-from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.containers import Horizontal, VerticalScroll
 from textual.screen import Screen
 from textual.widgets import Button, DataTable, Footer, Header, Input, Label, ProgressBar, Select, Static, Switch
 
@@ -138,7 +138,8 @@ def _synthetic_setup(plan: BenchPlan) -> tuple[Any, Any, Any, str]:
 
     if plan.source != "full":
         cfg = synthetic_config(base={**LING3_FLASH, **SMALL_CONFIG})
-        return cfg, torch.device("cpu"), torch.float32, f"synthetic weights, small config ({cfg.num_hidden_layers} layers)"
+        source = f"synthetic weights, small config ({cfg.num_hidden_layers} layers)"
+        return cfg, torch.device("cpu"), torch.float32, source
     if not torch.cuda.is_available():
         raise SparkchatError("full-size synthetic weights need a CUDA GPU; use the small config on the CPU")
     cfg = synthetic_config(plan.layers)
@@ -498,8 +499,9 @@ class BenchScreen(Screen[None]):
         if r is not None:
             if r.verify_decode_ratio is not None:
                 how = "measured" if r.accept_length_source == "measured" else "NVIDIA's figure, assumed"
-                lines.append(f"verify ÷ decode step {r.verify_decode_ratio:.2f}× (NVIDIA: {NVIDIA_VERIFY_RATIO}×) · "
-                             f"draft step {number(r.draft_step_ms)} ms · accept length {r.accept_length:.2f} "
+                lines.append(f"verify ÷ decode step {r.verify_decode_ratio:.2f}× "
+                             f"(NVIDIA: {NVIDIA_VERIFY_RATIO}×) · draft step {number(r.draft_step_ms)} ms · "
+                             f"accept length {r.accept_length:.2f} "
                              f"({how})")
             first = ""
             if r.first_step_s is not None:

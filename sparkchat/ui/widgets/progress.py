@@ -24,7 +24,7 @@ def format_size(n: float) -> str:
 
 
 def format_duration(seconds: float) -> str:
-    seconds = max(0, int(round(seconds)))
+    seconds = max(0, round(seconds))
     if seconds < 60:
         return f"{seconds} s"
     minutes, s = divmod(seconds, 60)

@@ -14,8 +14,7 @@ from textual.widgets import Sparkline, Static
 
 from sparkchat.ui.format import FINISH_LABELS, accept_text, format_bytes, format_ms
 
-
-LIVE_EVERY_S = 0.25  # live numbers are redrawn at most this often (the streamed text, every FLUSH_S)
+LIVE_EVERY_S = 0.5  # live numbers are redrawn at most this often (the streamed text, every FLUSH_S)
 
 
 class StatsBar(Vertical):
