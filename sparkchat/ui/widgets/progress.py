@@ -16,11 +16,9 @@ SPEED_WINDOW_S = 3.0  # speed = bytes over the last few seconds, so it follows t
 
 def format_size(n: float) -> str:
     """Decimal units, as download tools and the Hub show them: 61.2 GB, 85.3 MB."""
-    for unit in ("B", "kB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n:.1f} TB"
+    from sparkchat.hub import format_bytes
+
+    return format_bytes(n)
 
 
 def format_duration(seconds: float) -> str:
