@@ -173,11 +173,21 @@ def bench_moe(rec: Recorder, layer, sweep: bool) -> dict:
 
     d = moe_config(1, H, INTER)
     c1 = [d]
-    if sweep:
-        c1 += [MoeConfig(rs1=1, unroll1=2, prefetch=True), MoeConfig(rs1=1, prefetch=True),
-               MoeConfig(prefetch=True), MoeConfig(bn2=32, rs2=1)]
+    if sweep:  # wider k steps over fewer rows (what won for the FP8 GEMVs), fewer warps
+        c1 += [MoeConfig(rs1=1, unroll1=2, prefetch=True),
+               MoeConfig(bn1=8, rs1=1, bkw1=64, warps1=2, bn2=8, rs2=1, bkw2=32, warps2=2),
+               MoeConfig(bn1=8, rs1=1, bkw1=128, warps1=4, bn2=8, rs2=1, bkw2=32, warps2=2),
+               MoeConfig(bn1=4, rs1=1, bkw1=128, warps1=2, bn2=16, rs2=1, bkw2=32, warps2=2),
+               MoeConfig(bn1=16, rs1=1, bkw1=64, warps1=4, unroll1=2, bn2=32, rs2=1, bkw2=32, warps2=4),
+               MoeConfig(bn1=8, rs1=2, bkw1=64, warps1=4, bn2=8, rs2=2, bkw2=32, warps2=2),
+               MoeConfig(bn1=4, rs1=2, bkw1=64, warps1=2, bn2=4, rs2=2, bkw2=32, warps2=1),
+               MoeConfig(bn1=8, rs1=1, bkw1=64, warps1=2, bn2=8, rs2=1, bkw2=32, warps2=2, prefetch=True)]
     case(1, 0, 16, "T=1 (8 experts)", c1, baseline=True)
     c4 = [moe_config(4, H, INTER), MoeConfig(dedupe=False, prefetch=True), MoeConfig(rs1=1, rs2=1, dedupe=True)]
+    if sweep:
+        c4 += [MoeConfig(bn1=8, rs1=1, bkw1=64, warps1=2, bn2=8, rs2=1, bkw2=32, warps2=2, dedupe=False),
+               MoeConfig(bn1=8, rs1=1, bkw1=128, warps1=4, bn2=8, rs2=1, bkw2=32, warps2=2, dedupe=False),
+               MoeConfig(bn1=4, rs1=1, bkw1=64, warps1=1, bn2=8, rs2=1, bkw2=32, warps2=1, dedupe=False)]
     case(4, 0, 8, "T=4 random routing", c4, baseline=True)
     case(4, 4, 8, "T=4 half repeated", c4)
     case(5, 0, 6, "T=5 random routing", c4[:2])
@@ -186,17 +196,51 @@ def bench_moe(rec: Recorder, layer, sweep: bool) -> dict:
 
 
 # ---------------------------------------------------------------- FP8 GEMVs
+# The FP8 block-scaled linears of one decode step (N, K, label); fused projections padded as loaded.
+BLOCK_SHAPES = [
+    (5 * 4096, H, "KDA q/k/v/f/g fused"),
+    (H, 4096, "o_proj / MLA dense"),
+    (2 * 768 * 1, H, "shared expert gate|up"),
+    (H, 768, "shared expert down"),
+    (32 * 192 + 640 + 128, H, "MLA q|kv_a|g fused"),
+    (2 * 6144, H, "dense MLP gate|up"),
+    (H, 6144, "dense MLP down"),
+]
+
+
+def gemv_candidates(kind: str, T: int, N: int, K: int, sweep: bool):
+    from sparkchat.engine.kernels.fp8_gemv import GemvConfig, gemv_config
+
+    base = [gemv_config(kind, T, N, K) if kind == "block" else gemv_config(kind, T)]
+    if not sweep:
+        return base
+    rows = max(1, N // 128)
+    wide = [GemvConfig(bn=64, rs=1, bk=128, unroll=1, warps=8), GemvConfig(bn=32, rs=1, bk=256, unroll=1, warps=8),
+            GemvConfig(bn=32, rs=1, bk=256, unroll=2, warps=4), GemvConfig(bn=16, rs=1, bk=512, unroll=1, warps=4),
+            GemvConfig(bn=16, rs=2, bk=256, unroll=1, warps=4), GemvConfig(bn=32, rs=2, bk=128, unroll=1, warps=8),
+            GemvConfig(bn=32, rs=1, bk=256, unroll=1, warps=8, prefetch=True),
+            GemvConfig(bn=64, rs=1, bk=64, unroll=2, warps=8, prefetch=True),
+            GemvConfig(bn=128, rs=1, bk=64, unroll=1, warps=8), GemvConfig(bn=8, rs=1, bk=512, unroll=1, warps=2)]
+    if T > 2:  # several tokens: per-row accumulators keep registers free for the weight tiles
+        wide = [GemvConfig(**{**c.__dict__, "row_acc": True}) for c in wide if c.rs == 1 and not c.prefetch]
+        wide += [GemvConfig(bn=32, rs=1, bk=64, unroll=2, warps=4), GemvConfig(bn=16, rs=1, bk=128, warps=4)]
+    out = base + wide
+    if kind == "block" and rows < 200:  # few row blocks: split K
+        for split in (2, 4, 8):
+            for bn, bk, warps in ((16, 256, 4), (32, 128, 4), (32, 256, 8), (64, 128, 8), (8, 512, 2)):
+                if K % (split * bk) == 0:
+                    out.append(GemvConfig(bn=bn, rs=1, bk=bk, unroll=1, warps=warps, split=split, row_acc=T > 2))
+    seen, uniq = set(), []
+    for c in out:
+        if c not in seen:
+            seen.add(c)
+            uniq.append(c)
+    return uniq
+
+
 def bench_fp8(rec: Recorder, sweep: bool) -> None:
     from sparkchat.engine.kernels import reference as ref
-    from sparkchat.engine.kernels.fp8_gemv import GemvConfig, fp8_block_gemv, fp8_head_argmax, fp8_head_gemv, gemv_config
-
-    def cands(kind, T):
-        base = [gemv_config(kind, T)]
-        if sweep and T == 1:
-            base += [GemvConfig(bn=32, rs=2, bk=64, unroll=2, warps=4, prefetch=True),
-                     GemvConfig(bn=64, rs=1, bk=64, unroll=2, warps=8, prefetch=True),
-                     GemvConfig(bn=64, rs=1, bk=128, unroll=1, warps=8)]
-        return base
+    from sparkchat.engine.kernels.fp8_gemv import fp8_block_gemv, fp8_head_argmax, fp8_head_gemv
 
     # LM head: 402 MB in FP8, larger than L2 on its own.
     w = (torch.randn(V, H, device="cuda") * 0.5).to(torch.float8_e4m3fn)
@@ -207,15 +251,15 @@ def bench_fp8(rec: Recorder, sweep: bool) -> None:
         out = torch.empty(T, V, device="cuda")
         res = []
         want = ref.fp8_head_gemv_reference(x, w, scale)
-        for cfg in cands("head", T):
+        for cfg in gemv_candidates("head", T, V, H, sweep):
             got = fp8_head_gemv(x, w, scale, config=cfg)
             assert ((got - want).norm() / want.norm()).item() < 1e-5, f"fp8_head_gemv {cfg}"
-            assert torch.equal(fp8_head_argmax(x, w, scale, config=cfg), want.argmax(-1)), f"fp8_head_argmax {cfg}"
             us = graph_us([lambda: fp8_head_gemv(x, w, scale, out=out, config=cfg)] * 4)
             res.append((us, cfg))
             print(f"    head T={T} cfg {asdict(cfg)}: {us:.2f} us", flush=True)
         us, cfg = min(res, key=lambda r: r[0])
-        head = rec.add(f"fp8_head_gemv T={T}", us, head_bytes + T * V * 4, config=asdict(cfg))
+        assert torch.equal(fp8_head_argmax(x, w, scale, config=cfg), want.argmax(-1)), f"fp8_head_argmax {cfg}"
+        rec.add(f"fp8_head_gemv T={T}", us, head_bytes + T * V * 4, config=asdict(cfg))
         tok = torch.empty(T, dtype=torch.int64, device="cuda")
         us_a = graph_us([lambda: fp8_head_argmax(x, w, scale, out=tok, config=cfg)] * 4)
         rec.add(f"fp8_head_argmax T={T}", us_a, head_bytes, config=asdict(cfg))
@@ -229,25 +273,26 @@ def bench_fp8(rec: Recorder, sweep: bool) -> None:
     del wb
     torch.cuda.empty_cache()
 
-    # Fused KDA projections: N = 5 x 4096, K = 2560 (52 MB): 4 copies rotated (> L2).
-    for (N, Kd, label) in [(5 * 4096, H, "KDA q/k/v/f/g fused"), (H, 4096, "o_proj")]:
-        copies = 4 if N * Kd > 20e6 else 12
+    # Block-scaled linears: enough weight copies rotated that every call streams from HBM (> L2).
+    for (N, Kd, label) in BLOCK_SHAPES:
+        copies = max(4, min(24, int(240e6 // (N * Kd))))
         ws_ = [(torch.randn(N, Kd, device="cuda") * 0.5).to(torch.float8_e4m3fn) for _ in range(copies)]
         sis = [torch.rand((N + 127) // 128, (Kd + 127) // 128, device="cuda") * 0.01 for _ in range(copies)]
         nbytes = N * Kd + 4 * sis[0].numel()
-        for T in (1, 4) if N > H else (1,):
+        for T in (1, 4) if label.startswith(("KDA", "o_proj", "shared")) else (1,):
             x = torch.randn(T, Kd, device="cuda").bfloat16()
             outs = [torch.empty(T, N, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
             res = []
             want = ref.fp8_block_gemv_reference(x, ws_[0], sis[0]).float()
-            for cfg in cands("block", T):
+            for cfg in gemv_candidates("block", T, N, Kd, sweep):
                 got = fp8_block_gemv(x, ws_[0], sis[0], config=cfg).float()
                 assert ((got - want).norm() / want.norm()).item() < 1e-2, f"fp8_block_gemv {cfg}"
                 us = graph_us([lambda i=i: fp8_block_gemv(x, ws_[i], sis[i], out=outs[i], config=cfg) for i in range(copies)])
                 res.append((us, cfg))
                 print(f"    block {label} T={T} cfg {asdict(cfg)}: {us:.2f} us", flush=True)
             us, cfg = min(res, key=lambda r: r[0])
-            rec.add(f"fp8_block_gemv {label} N={N} K={Kd} T={T}", us, nbytes + T * (N + Kd) * 2, config=asdict(cfg))
+            rec.add(f"fp8_block_gemv {label} N={N} K={Kd} T={T}", us, nbytes + T * (N + Kd) * 2, config=asdict(cfg),
+                    default_us=round(res[0][0], 2))
         del ws_
         torch.cuda.empty_cache()
 

@@ -200,15 +200,18 @@ def test_mxfp4_moe_int64_ids_and_defaults():
 @gpu
 @pytest.mark.parametrize("N,K", [(256, 256), (200, 144), (576, 512), (2560, 4096), (20480, 2560)])
 @pytest.mark.parametrize("T", [1, 2, 4, 5])
-@pytest.mark.parametrize("prefetch", [False, True])
-def test_fp8_block_gemv_gpu(N, K, T, prefetch):
+@pytest.mark.parametrize("prefetch,split,bk,row_acc", [(False, 1, None, False), (True, 1, None, False),
+                                                        (False, 4, 256, False), (True, 2, 128, True),
+                                                        (False, 1, 512, True)])
+def test_fp8_block_gemv_gpu(N, K, T, prefetch, split, bk, row_acc):
     from sparkchat.engine.kernels.fp8_gemv import fp8_block_gemv, gemv_config
     gen = torch.Generator().manual_seed(N * 7 + K + T)
     w, si = make_fp8(N, K, "cuda", gen)
     x = torch.randn(T, K, generator=gen).bfloat16().cuda()
     out = torch.full((T, N), float("nan"), dtype=torch.bfloat16, device="cuda")
     cfg = gemv_config("block", T)
-    fp8_block_gemv(x, w, si, out=out, config=type(cfg)(**{**cfg.__dict__, "prefetch": prefetch}))
+    fp8_block_gemv(x, w, si, out=out, config=type(cfg)(**{**cfg.__dict__, "prefetch": prefetch, "split": split,
+                                                          "bk": bk or cfg.bk, "row_acc": row_acc}))
     assert rel_err(out, ref.fp8_block_gemv_reference(x, w, si)) < 1e-2
 
 
@@ -253,9 +256,18 @@ _INTERPRET_SCRIPT = textwrap.dedent("""
     for prefetch in (False, True):
         cfg = GemvConfig(bn=16, rs=2, bk=64, prefetch=prefetch)
         assert rel_err(fp8_block_gemv(x, w, si, config=cfg), ref.fp8_block_gemv_reference(x, w, si)) < 1e-2
+    # split-K, and k steps wider than a 128-column scale block (each column keeps its block's scale)
+    wide, wide_si = make_fp8(136, 1024, gen=gen)
+    xw = torch.randn(3, 1024, generator=gen).bfloat16()
+    for cfg in (GemvConfig(bn=8, rs=1, bk=256, split=2), GemvConfig(bn=16, rs=2, bk=128, split=4, prefetch=True),
+                GemvConfig(bn=8, rs=2, bk=512, split=1), GemvConfig(bn=8, rs=1, bk=128, split=2, row_acc=True),
+                GemvConfig(bn=16, rs=1, bk=64, row_acc=True, prefetch=True)):
+        got = fp8_block_gemv(xw, wide, wide_si, config=cfg)
+        assert rel_err(got, ref.fp8_block_gemv_reference(xw, wide, wide_si)) < 1e-2, cfg
     scale = torch.rand(200, generator=gen) + 0.5
     want = ref.fp8_head_gemv_reference(x, w, scale)
     assert rel_err(fp8_head_gemv(x, w, scale), want) < 1e-5
+    assert rel_err(fp8_head_gemv(x, w, scale, config=GemvConfig(bn=8, rs=1, bk=32, split=3)), want) < 1e-5
     assert torch.equal(fp8_head_argmax(x, w, scale), want.argmax(-1))
     print("interpreter ok")
 """)

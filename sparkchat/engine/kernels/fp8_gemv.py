@@ -21,9 +21,12 @@ SCALE_BLOCK: tl.constexpr = tl.constexpr(128)
 
 
 @triton.jit
-def _gemv_loads(x_ptr, w_ptr, r0, k0, sub, kk, T: tl.constexpr, N: tl.constexpr, K: tl.constexpr,
-                BN: tl.constexpr, RS: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr):
-    """Raw fp8 tiles [BN, BK] of the RS row tiles and each token's bf16 chunk [BK] at k0."""
+def _gemv_loads(x_ptr, w_ptr, s_ptr, r0, k0, sub, kk, T: tl.constexpr, N: tl.constexpr, K: tl.constexpr,
+                KB: tl.constexpr, BN: tl.constexpr, RS: tl.constexpr, EVEN_N: tl.constexpr,
+                EVEN_K: tl.constexpr, ROW_SCALE: tl.constexpr):
+    """Raw fp8 tiles [BN, BK] of the RS row tiles at k0, and each token's activation chunk [BK] in
+    fp32, already multiplied by the block scale of its columns (block scales: the RS tiles sit in one
+    128-row scale block, so scaling the activations once replaces a multiply per weight)."""
     cols = k0 + kk
     kmask = cols < K
     ws = ()
@@ -37,33 +40,35 @@ def _gemv_loads(x_ptr, w_ptr, r0, k0, sub, kk, T: tl.constexpr, N: tl.constexpr,
         else:
             w = tl.load(wp, mask=(rows < N)[:, None] & kmask[None, :], other=0.0)
         ws = ws + (w,)
+    if not ROW_SCALE:
+        sc = tl.load(s_ptr + (r0 // SCALE_BLOCK) * KB + cols // SCALE_BLOCK, mask=kmask, other=0.0)
     xs = ()
     for t in tl.static_range(T):
         if EVEN_K:
-            xs = xs + (tl.load(x_ptr + t * K + cols),)
+            xv = tl.load(x_ptr + t * K + cols).to(tl.float32)
         else:
-            xs = xs + (tl.load(x_ptr + t * K + cols, mask=kmask, other=0.0),)
+            xv = tl.load(x_ptr + t * K + cols, mask=kmask, other=0.0).to(tl.float32)
+        if not ROW_SCALE:
+            xv = xv * sc
+        xs = xs + (xv,)
     return ws, xs
 
 
 @triton.jit
-def _gemv_step(accs, ws, xs, s_ptr, r0, k0, T: tl.constexpr, RS: tl.constexpr, KB: tl.constexpr,
-               ROW_SCALE: tl.constexpr):
-    """accs[t*RS + r] += w_r * x_t (elementwise, [BN, BK]) for one k step."""
-    if not ROW_SCALE:
-        # BN*RS and BK divide 128: one block scale for this program's rows and this k step.
-        sc = tl.load(s_ptr + (r0 // SCALE_BLOCK) * KB + k0 // SCALE_BLOCK)
+def _gemv_step(accs, ws, xs, T: tl.constexpr, RS: tl.constexpr, ROW_ACC: tl.constexpr):
+    """accs[t*RS + r] += w_r * x_t for one k step: elementwise into [BN, BK] accumulators, or with
+    ROW_ACC reduced over k right away into [BN] ones (several tokens: [BN, BK] per token would spill)."""
     wf = ()
     for r in tl.static_range(RS):
-        if ROW_SCALE:
-            wf = wf + (ws[r].to(tl.float32),)
-        else:
-            wf = wf + (ws[r].to(tl.float32) * sc,)
+        wf = wf + (ws[r].to(tl.float32),)
     new = ()
     for t in tl.static_range(T):
-        xv = xs[t].to(tl.float32)[None, :]
+        xv = xs[t][None, :]
         for r in tl.static_range(RS):
-            new = new + (accs[t * RS + r] + wf[r] * xv,)
+            if ROW_ACC:
+                new = new + (accs[t * RS + r] + tl.sum(wf[r] * xv, axis=1),)
+            else:
+                new = new + (accs[t * RS + r] + wf[r] * xv,)
     return new
 
 
@@ -73,44 +78,61 @@ def fp8_gemv_kernel(
     T: tl.constexpr, N: tl.constexpr, K: tl.constexpr,
     BN: tl.constexpr, RS: tl.constexpr, BK: tl.constexpr, UNROLL: tl.constexpr,
     ROW_SCALE: tl.constexpr,  # False: scale_inv [ceil(N/128), ceil(K/128)]; True: scale [N]
-    OUT: tl.constexpr,  # 0: bf16 y [T, N]; 1: fp32 y [T, N]; 2: per-program (max, argmax) only
+    OUT: tl.constexpr,  # 0: bf16 y [T, N]; 1: fp32 y [T, N]; 2: per-program (max, argmax) only;
+                        # 3: fp32 split-K partial sums into y [SPLIT, T, N] (row scale not applied)
+    SPLIT: tl.constexpr,  # programs along K (axis 1), each summing K / SPLIT columns
     PREFETCH: tl.constexpr,
+    ROW_ACC: tl.constexpr,  # accumulate [BN] per token (reduce over k each step), not [BN, BK]
 ):
-    """Rows [pid*RS*BN, +RS*BN) of y = x @ w.T for T tokens. The program holds RS row tiles of
-    [BN, BK] fp8 per k step; each token's activation chunk is loaded once and used for every tile;
-    accumulators ([BN, BK] fp32 per token and tile) are reduced over k once at the end."""
+    """Rows [pid*RS*BN, +RS*BN) of y = x @ w.T for T tokens, over this program's share of K. The
+    program holds RS row tiles of [BN, BK] fp8 per k step; each token's activation chunk is loaded
+    once and used for every tile; accumulators ([BN, BK] fp32 per token and tile) are reduced over k
+    once at the end. Split-K keeps every SM streaming when N has few row blocks (o_proj, down)."""
     pid = tl.program_id(0)
     NP = tl.num_programs(0)
     r0 = pid * (RS * BN)
     sub = tl.arange(0, BN)
     kk = tl.arange(0, BK)
+    KS: tl.constexpr = K // SPLIT  # columns per split (a multiple of BK when SPLIT > 1)
+    k_lo = tl.program_id(1) * KS
     EVEN_K: tl.constexpr = K % BK == 0
     EVEN_N: tl.constexpr = N % (RS * BN) == 0
     KB: tl.constexpr = (K + SCALE_BLOCK - 1) // SCALE_BLOCK
     accs = ()
     for i in tl.static_range(T * RS):
-        accs = accs + (tl.zeros([BN, BK], dtype=tl.float32),)
+        if ROW_ACC:
+            accs = accs + (tl.zeros([BN], dtype=tl.float32),)
+        else:
+            accs = accs + (tl.zeros([BN, BK], dtype=tl.float32),)
     if PREFETCH:
         # Software-pipelined by one k step: step k+1's weights and activations are in flight while
         # step k multiplies (the last step re-reads its own chunk: cache hits).
-        ws, xs = _gemv_loads(x_ptr, w_ptr, r0, 0, sub, kk, T, N, K, BN, RS, EVEN_N, EVEN_K)
-        for k0 in tl.range(0, K, BK, loop_unroll_factor=UNROLL):
-            kn = tl.minimum(k0 + BK, (K - 1) // BK * BK)
-            ws_n, xs_n = _gemv_loads(x_ptr, w_ptr, r0, kn, sub, kk, T, N, K, BN, RS, EVEN_N, EVEN_K)
-            accs = _gemv_step(accs, ws, xs, s_ptr, r0, k0, T, RS, KB, ROW_SCALE)
+        ws, xs = _gemv_loads(x_ptr, w_ptr, s_ptr, r0, k_lo, sub, kk, T, N, K, KB, BN, RS, EVEN_N, EVEN_K,
+                             ROW_SCALE)
+        for kb in tl.range(0, KS, BK, loop_unroll_factor=UNROLL):
+            k0 = k_lo + kb
+            kn = k_lo + tl.minimum(kb + BK, (KS - 1) // BK * BK)
+            ws_n, xs_n = _gemv_loads(x_ptr, w_ptr, s_ptr, r0, kn, sub, kk, T, N, K, KB, BN, RS, EVEN_N,
+                                     EVEN_K, ROW_SCALE)
+            accs = _gemv_step(accs, ws, xs, T, RS, ROW_ACC)
             ws = ws_n
             xs = xs_n
     else:
-        for k0 in tl.range(0, K, BK, loop_unroll_factor=UNROLL):
-            ws, xs = _gemv_loads(x_ptr, w_ptr, r0, k0, sub, kk, T, N, K, BN, RS, EVEN_N, EVEN_K)
-            accs = _gemv_step(accs, ws, xs, s_ptr, r0, k0, T, RS, KB, ROW_SCALE)
+        for kb in tl.range(0, KS, BK, loop_unroll_factor=UNROLL):
+            k0 = k_lo + kb
+            ws, xs = _gemv_loads(x_ptr, w_ptr, s_ptr, r0, k0, sub, kk, T, N, K, KB, BN, RS, EVEN_N, EVEN_K,
+                                 ROW_SCALE)
+            accs = _gemv_step(accs, ws, xs, T, RS, ROW_ACC)
     best_v = ()
     best_i = ()
     for t in tl.static_range(T):
         for r in tl.static_range(RS):
             rows = r0 + r * BN + sub
-            y = tl.sum(accs[t * RS + r], axis=1)
-            if ROW_SCALE:
+            if ROW_ACC:
+                y = accs[t * RS + r]
+            else:
+                y = tl.sum(accs[t * RS + r], axis=1)
+            if ROW_SCALE and OUT != 3:
                 y = y * tl.load(s_ptr + rows, mask=rows < N, other=0.0)
             if OUT == 2:
                 y = tl.where(rows < N, y, float("-inf"))
@@ -125,11 +147,31 @@ def fp8_gemv_kernel(
                     bv = tl.where(better, m, bv)
             elif OUT == 0:
                 tl.store(y_ptr + t * N + rows, y.to(tl.bfloat16), mask=rows < N)
-            else:
+            elif OUT == 1:
                 tl.store(y_ptr + t * N + rows, y, mask=rows < N)
+            else:
+                tl.store(y_ptr + (tl.program_id(1) * T + t) * N + rows, y, mask=rows < N)
         if OUT == 2:
             tl.store(pmax_ptr + t * NP + pid, bv)
             tl.store(pidx_ptr + t * NP + pid, bi)
+
+
+@triton.jit
+def splitk_reduce_kernel(part_ptr, s_ptr, y_ptr, TN: tl.constexpr, N: tl.constexpr, SPLIT: tl.constexpr,
+                         ROW_SCALE: tl.constexpr, OUT_BF16: tl.constexpr, BLOCK: tl.constexpr):
+    """y = sum of the SPLIT partials, in a fixed order (deterministic, unlike atomics), then the row
+    scale and the output dtype."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = i < TN
+    acc = tl.load(part_ptr + i, mask=m, other=0.0)
+    for s in tl.static_range(1, SPLIT):
+        acc += tl.load(part_ptr + s * TN + i, mask=m, other=0.0)
+    if ROW_SCALE:
+        acc = acc * tl.load(s_ptr + i % N, mask=m, other=0.0)
+    if OUT_BF16:
+        tl.store(y_ptr + i, acc.to(tl.bfloat16), mask=m)
+    else:
+        tl.store(y_ptr + i, acc, mask=m)
 
 
 @triton.jit
@@ -153,22 +195,58 @@ def argmax_reduce_kernel(pmax_ptr, pidx_ptr, out_ptr, NP: tl.constexpr, BLOCK: t
 class GemvConfig:
     bn: int = 32  # rows per tile
     rs: int = 2  # row tiles per program, sharing each activation load (bn * rs divides 128)
-    bk: int = 64  # k step (divides 128; below 32 * warps so activations load straight into registers)
+    bk: int = 64  # k step
     unroll: int = 2
     warps: int = 4
-    prefetch: bool = False  # one-step software pipelining of the k loop (not yet measured on a GPU)
+    prefetch: bool = False  # one-step software pipelining of the k loop
+    split: int = 1  # split-K programs per row block (partials summed by a second, tiny kernel)
+    row_acc: bool = False  # reduce over k every step into per-row accumulators (for several tokens)
 
 
-# Best measured on the H200 at the Ling-3.0-flash shapes; see docs/benchmarks.md.
-_TUNED: dict[tuple[str, int], GemvConfig] = {
-    ("block", 1): GemvConfig(bn=64, rs=1, bk=64, unroll=2, warps=8),
+# Best measured on the H200 at the Ling-3.0-flash shapes, by (kind, T, N, K); docs/benchmarks.md has
+# the sweep. Wide k steps over few rows won: more bytes in flight per program, fewer idle tails.
+_G = GemvConfig
+_TUNED: dict[tuple[str, int, int, int], GemvConfig] = {
+    ("head", 1, 157184, 2560): _G(bn=8, rs=1, bk=512, unroll=1, warps=2),
+    ("block", 1, 20480, 2560): _G(bn=8, rs=1, bk=512, unroll=1, warps=2),  # KDA q|k|v|f|g
+    ("block", 4, 20480, 2560): _G(bn=32, rs=1, bk=128, unroll=1, warps=4, split=2),
+    ("block", 1, 2560, 4096): _G(bn=32, rs=1, bk=256, unroll=1, warps=8, split=4),  # o_proj, MLA dense
+    ("block", 4, 2560, 4096): _G(bn=8, rs=1, bk=512, unroll=1, warps=2, split=8),
+    ("block", 1, 1536, 2560): _G(bn=8, rs=1, bk=512, unroll=1, warps=2),  # shared expert gate|up
+    ("block", 4, 1536, 2560): _G(bn=16, rs=1, bk=256, unroll=1, warps=4, split=2),
+    ("block", 1, 2560, 768): _G(bn=8, rs=1, bk=512, unroll=1, warps=2),  # shared expert down
+    ("block", 4, 2560, 768): _G(bn=32, rs=1, bk=256, unroll=1, warps=8),
+    ("block", 1, 6912, 2560): _G(bn=16, rs=1, bk=512, unroll=1, warps=4),  # MLA q|kv_a|g
+    ("block", 1, 12288, 2560): _G(bn=32, rs=1, bk=256, unroll=1, warps=8),  # dense MLP gate|up
+    ("block", 1, 2560, 6144): _G(bn=32, rs=1, bk=256, unroll=1, warps=8, split=4),  # dense MLP down
 }
 
 
-def gemv_config(kind: str, T: int) -> GemvConfig:
-    """Tuned config for ("block" | "head", T), else a default (one row tile per program beyond two
-    tokens, to keep the accumulators in registers)."""
-    return _TUNED.get((kind, T)) or (GemvConfig() if T <= 2 else GemvConfig(rs=1))
+def gemv_config(kind: str, T: int, N: int | None = None, K: int | None = None) -> GemvConfig:
+    """Tuned config for ("block" | "head", T, N, K), else a default: one row tile per program beyond
+    two tokens (keeps the accumulators in registers), and split-K when N has too few row blocks to
+    give every SM two programs."""
+    tuned = _TUNED.get((kind, T, N, K))
+    if tuned is not None:
+        return tuned
+    cfg = GemvConfig(bn=16, rs=1, bk=256, unroll=1, warps=4) if T == 1 else (
+        GemvConfig() if T <= 2 else GemvConfig(rs=1))
+    if N is None or K is None or kind != "block":
+        return cfg
+    programs, split = -(-N // (cfg.bn * cfg.rs)), 1
+    while programs * split < 2 * _sm_count() and split < 8 and K % (2 * split * cfg.bk) == 0:
+        split *= 2
+    return GemvConfig(**{**cfg.__dict__, "split": split})
+
+
+def _sm_count() -> int:
+    global _SMS
+    if _SMS is None:
+        _SMS = torch.cuda.get_device_properties(0).multi_processor_count if torch.cuda.is_available() else 132
+    return _SMS
+
+
+_SMS: int | None = None
 
 
 def _pow2(n: int) -> int:
@@ -192,16 +270,31 @@ def _check_x_w(x: torch.Tensor, w: torch.Tensor) -> tuple[int, int, int]:
     return T, N, K
 
 
+def _split_for(K: int, bk: int, split: int) -> int:
+    """The largest split ≤ `split` that cuts K into whole k steps."""
+    while split > 1 and K % (split * bk):
+        split -= 1
+    return split
+
+
 def _launch(x, w, s, y, pmax, pidx, row_scale: bool, out_kind: int, cfg: GemvConfig) -> None:
     T, K = x.shape
     N = w.shape[0]
     bk = min(cfg.bk, _pow2(K))
-    assert 128 % (cfg.bn * cfg.rs) == 0 and 128 % bk == 0, "bn * rs and bk must divide the 128 scale block"
-    grid = (triton.cdiv(N, cfg.bn * cfg.rs),)
-    fp8_gemv_kernel[grid](
-        x, w, s, y, pmax, pidx, T=T, N=N, K=K, BN=cfg.bn, RS=cfg.rs, BK=bk, UNROLL=cfg.unroll,
-        ROW_SCALE=row_scale, OUT=out_kind, PREFETCH=cfg.prefetch, num_warps=cfg.warps,
-    )
+    assert 128 % (cfg.bn * cfg.rs) == 0, "bn * rs must divide the 128-row scale block"
+    split = _split_for(K, bk, cfg.split) if out_kind in (0, 1) else 1
+    grid = (triton.cdiv(N, cfg.bn * cfg.rs), split)
+    common = dict(T=T, N=N, K=K, BN=cfg.bn, RS=cfg.rs, BK=bk, UNROLL=cfg.unroll, ROW_SCALE=row_scale,
+                  SPLIT=split, PREFETCH=cfg.prefetch, ROW_ACC=cfg.row_acc, num_warps=cfg.warps)
+    if split == 1:
+        fp8_gemv_kernel[grid](x, w, s, y, pmax, pidx, OUT=out_kind, **common)
+        return
+    part = torch.empty(split, T, N, dtype=torch.float32, device=x.device)
+    fp8_gemv_kernel[grid](x, w, s, part, pmax, pidx, OUT=3, **common)
+    block = 1024
+    splitk_reduce_kernel[(triton.cdiv(T * N, block),)](part, s, y, TN=T * N, N=N, SPLIT=split,
+                                                        ROW_SCALE=row_scale, OUT_BF16=out_kind == 0,
+                                                        BLOCK=block, num_warps=4)
 
 
 def fp8_block_gemv(
@@ -215,7 +308,7 @@ def fp8_block_gemv(
     if out is None:
         out = torch.empty(T, N, dtype=torch.bfloat16, device=x.device)
     assert out.shape == (T, N) and out.dtype == torch.bfloat16 and out.is_contiguous()
-    _launch(x, w, scale_inv, out, out, out, False, 0, config or gemv_config("block", T))
+    _launch(x, w, scale_inv, out, out, out, False, 0, config or gemv_config("block", T, N, K))
     return out
 
 
@@ -229,12 +322,12 @@ def fp8_head_gemv(
     if out is None:
         out = torch.empty(T, V, dtype=torch.float32, device=x.device)
     assert out.shape == (T, V) and out.dtype == torch.float32 and out.is_contiguous()
-    _launch(x, w, scale, out, out, out, True, 1, config or gemv_config("head", T))
+    _launch(x, w, scale, out, out, out, True, 1, config or gemv_config("head", T, V, H))
     return out
 
 
-def fp8_head_argmax_workspace(T: int, V: int, device, config: GemvConfig | None = None):
-    cfg = config or gemv_config("head", T)
+def fp8_head_argmax_workspace(T: int, V: int, device, config: GemvConfig | None = None, H: int | None = None):
+    cfg = config or gemv_config("head", T, V, H)
     np_ = triton.cdiv(V, cfg.bn * cfg.rs)
     return (torch.empty(T, np_, dtype=torch.float32, device=device),
             torch.empty(T, np_, dtype=torch.int32, device=device))
@@ -248,7 +341,7 @@ def fp8_head_argmax(
     """Greedy token of each row of x through the FP8 head, without writing the logits -> int64 [T]."""
     T, V, H = _check_x_w(x, w)
     assert scale.dtype == torch.float32 and scale.shape == (V,) and scale.is_contiguous()
-    cfg = config or gemv_config("head", T)
+    cfg = config or gemv_config("head", T, V, H)
     np_ = triton.cdiv(V, cfg.bn * cfg.rs)
     if workspace is None:
         workspace = fp8_head_argmax_workspace(T, V, x.device, cfg)

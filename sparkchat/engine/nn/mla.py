@@ -7,6 +7,7 @@ folding kv_b_proj's key half into q and its value half after attention, so they 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -50,6 +51,9 @@ class MultiLatentAttention(nn.Module):
         self.g_proj = Linear(hidden, heads)
         self.softmax_scale = (nope + rope) ** -0.5
         self.fused: FusedLinear | None = None  # q_proj|kv_a_proj_with_mqa|g_proj, set at load time
+        # mla_absorbed's job with the mask given as positions: (q_nope, q_rope, C, KR, w_kv, pos, attend,
+        # scale, nope) -> [T, heads, v_dim]; the Triton kernel on CUDA (fastpath.install), else None
+        self.fast_attend: Callable[..., torch.Tensor] | None = None
 
     def input_projections(self) -> list[Linear]:
         return [self.q_proj, self.kv_a_proj_with_mqa, self.g_proj]
@@ -70,10 +74,13 @@ class MultiLatentAttention(nn.Module):
         end = span.attend
         C, KR = cache.latent[:end], cache.rope_key[:end]
         scale = self.softmax_scale * rotary.softmax_mscale
+        fast = absorbed and self.fast_attend is not None  # the kernel takes positions, not a mask
         # query t at position pos[t] sees keys 0..pos[t]; rows past it (stale or unused) are masked
-        mask = torch.arange(end, device=x.device)[None, :] <= span.pos[:, None]
+        mask = None if fast else torch.arange(end, device=x.device)[None, :] <= span.pos[:, None]
         w_kv = self.kv_b_proj.dense_weight(x.dtype).view(h, self.nope + self.v_dim, self.rank)
-        if absorbed:
+        if fast:
+            o = self.fast_attend(q_nope, q_rope, C, KR, w_kv, span.pos, end, scale, self.nope)
+        elif absorbed:
             o = ops.mla_absorbed(q_nope, q_rope, C, KR, w_kv, mask, scale, self.nope)
         else:
             kv = (C @ w_kv.reshape(-1, self.rank).T).view(end, h, self.nope + self.v_dim)

@@ -1,0 +1,187 @@
+"""A whole KDA layer core for decode/verify windows (T ≤ 8) in one Triton launch (the twin is nn.kda.kda_core).
+
+One program per head, holding the head's dk×dv fp32 state in registers for all T positions: causal conv
+update of the head's q|k|v channels, silu, L2 norms, gate, beta, delta-rule recurrence, gated output
+RMSNorm, and the in-place conv/recurrent state updates (plus, with keep_steps, the conv window and the
+per-position states a verify rolls back to). It rounds exactly where kda_core rounds: the conv output,
+the gate and beta to the model dtype, o to the model dtype before the norm.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_TOKENS = 8  # longer non-chunked steps go to the torch twin
+
+
+@triton.jit
+def _log1p(x):
+    # log(1 + x) accurate for tiny x (no log1p in plain tl): the rounding error of 1 + x cancels.
+    u = 1.0 + x
+    return tl.where(u == 1.0, x, tl.log(u) * (x / (u - 1.0)))
+
+
+@triton.jit
+def _round(x, dtype: tl.constexpr):
+    """fp32 x rounded to dtype (nearest even), kept in fp32. bf16 by bit arithmetic: Triton's CPU
+    interpreter truncates fp32->bf16 casts, and this is the same RTNE as the GPU's cvt.rn."""
+    if dtype == tl.bfloat16:
+        b = x.to(tl.uint32, bitcast=True)
+        b = (b + (0x7FFF + ((b >> 16) & 1))) & 0xFFFF0000
+        return b.to(tl.float32, bitcast=True)
+    elif dtype == tl.float32:
+        return x
+    else:
+        return x.to(dtype).to(tl.float32)
+
+
+@triton.jit
+def _window(in_ptr, s_in, s_inc, conv_ptr, s_cv, s_cvc, c0, r, valid, ch, dtype: tl.constexpr,
+            KC: tl.constexpr):
+    """Conv window rows r (where valid) of channels c0+ch: the old state's K-1 rows, then the T inputs
+    (in_ptr already at column c0 of its projection). [R, DH] fp32 holding model-dtype values."""
+    old = r < KC - 1
+    a = tl.load(conv_ptr + r[:, None] * s_cv + (c0 + ch)[None, :] * s_cvc, mask=(valid & old)[:, None], other=0.0)
+    b = tl.load(in_ptr + (r - (KC - 1))[:, None] * s_in + ch[None, :] * s_inc, mask=(valid & ~old)[:, None],
+                other=0.0)
+    return tl.where(old[:, None], _round(a.to(tl.float32), dtype), b.to(tl.float32))
+
+
+@triton.jit
+def _conv(in_ptr, s_in, s_inc, conv_ptr, s_cv, s_cvc, w_ptr, s_w, s_wc, win_ptr, c0, ch, dtype: tl.constexpr,
+          T: tl.constexpr, KC: tl.constexpr, TP: tl.constexpr, WP: tl.constexpr, KP: tl.constexpr,
+          W3: tl.constexpr):
+    """One of q|k|v for this head's channels c0+ch: stores its window slice; returns silu(causal conv)
+    rounded to the model dtype at the T positions [TP, DH], and the new conv state rows [KP, DH].
+    Small 2-D tiles (re-read from cache) rather than per-row vectors: they stay out of the registers
+    the state needs."""
+    rw = tl.arange(0, WP)
+    x = _window(in_ptr, s_in, s_inc, conv_ptr, s_cv, s_cvc, c0, rw, rw < KC - 1 + T, ch, dtype, KC)
+    tl.store(win_ptr + rw[:, None] * W3 + (c0 + ch)[None, :], x.to(dtype), mask=(rw < KC - 1 + T)[:, None])
+    t = tl.arange(0, TP)
+    acc = tl.zeros((TP, ch.shape[0]), dtype=tl.float32)
+    for j in tl.static_range(KC):
+        w = tl.load(w_ptr + (c0 + ch) * s_w + j * s_wc).to(tl.float32)
+        x = _window(in_ptr, s_in, s_inc, conv_ptr, s_cv, s_cvc, c0, t + j, t < T, ch, dtype, KC)
+        acc = acc + x * w[None, :]  # the twin's left-to-right sum (0 + x0*w0 + x1*w1 ...)
+    rn = tl.arange(0, KP)
+    new = _window(in_ptr, s_in, s_inc, conv_ptr, s_cv, s_cvc, c0, T + rn, rn < KC - 1, ch, dtype, KC)
+    return _round(acc * tl.sigmoid(acc), dtype), new
+
+
+@triton.jit
+def _row(x, t):
+    """Row t of a [TP, DH] tile, as a [DH] vector (exact: the other rows add zeros)."""
+    rows = tl.arange(0, x.shape[0])
+    return tl.sum(tl.where(rows[:, None] == t, x, 0.0), axis=0)
+
+
+@triton.jit
+def kda_decode_kernel(
+    q_ptr, k_ptr, v_ptr, f_ptr, b_ptr, og_ptr,  # projections [T, D] ([T, H] for b), any strides
+    conv_ptr, rec_ptr,  # states, updated in place: conv [K-1, 3D], recurrent [H, DH, DH] fp32 contiguous
+    cw_ptr, alog_ptr, dtb_ptr, onw_ptr,  # conv weight [3D, K], A_log [H], dt_bias [D], o_norm weight [DH]
+    o_ptr, win_ptr, steps_ptr,  # outputs: o [T, D], window [K-1+T, 3D], steps [T, H, DH, DH] (KEEP only)
+    s_q, s_qc, s_k, s_kc, s_v, s_vc, s_f, s_fc, s_b, s_bc, s_og, s_ogc, s_cv, s_cvc, s_w, s_wc,
+    q_scale, lower_bound, eps,
+    T: tl.constexpr, H: tl.constexpr, DH: tl.constexpr, KC: tl.constexpr,
+    TP: tl.constexpr, WP: tl.constexpr, KP: tl.constexpr, SAFE_GATE: tl.constexpr, KEEP: tl.constexpr,
+):
+    h = tl.program_id(0)
+    D: tl.constexpr = H * DH
+    dtype = q_ptr.dtype.element_ty
+    i = tl.arange(0, DH)  # along dk (rows of S)
+    j = tl.arange(0, DH)  # along dv (columns of S)
+    sp = rec_ptr + h * DH * DH + i[:, None] * DH + j[None, :]
+    S = tl.load(sp)  # issued first: the state is most of the bytes
+
+    # conv: this program owns channels h*DH.. of each of q, k, v, so its window/state slices too
+    c = h * DH
+    qs, nq = _conv(q_ptr + c * s_qc, s_q, s_qc, conv_ptr, s_cv, s_cvc, cw_ptr, s_w, s_wc, win_ptr, c, i, dtype,
+                   T, KC, TP, WP, KP, 3 * D)
+    ks, nk = _conv(k_ptr + c * s_kc, s_k, s_kc, conv_ptr, s_cv, s_cvc, cw_ptr, s_w, s_wc, win_ptr, D + c, i, dtype,
+                   T, KC, TP, WP, KP, 3 * D)
+    vs, nv = _conv(v_ptr + c * s_vc, s_v, s_vc, conv_ptr, s_cv, s_cvc, cw_ptr, s_w, s_wc, win_ptr, 2 * D + c, j,
+                   dtype, T, KC, TP, WP, KP, 3 * D)
+    # every thread's reads of the old conv/recurrent values are done before any in-place write
+    tl.debug_barrier()
+    rn = tl.arange(0, KP)[:, None]
+    cdt = conv_ptr.dtype.element_ty  # exact: the rows hold values of the model dtype
+    tl.store(conv_ptr + rn * s_cv + (c + i)[None, :] * s_cvc, nq.to(cdt), mask=rn < KC - 1)
+    tl.store(conv_ptr + rn * s_cv + (D + c + i)[None, :] * s_cvc, nk.to(cdt), mask=rn < KC - 1)
+    tl.store(conv_ptr + rn * s_cv + (2 * D + c + j)[None, :] * s_cvc, nv.to(cdt), mask=rn < KC - 1)
+
+    # gate, beta and the output gate for all T positions at once, as small tiles
+    t2 = tl.arange(0, TP)
+    tm = (t2 < T)[:, None]
+    f = tl.load(f_ptr + t2[:, None] * s_f + (c + i)[None, :] * s_fc, mask=tm, other=0.0).to(tl.float32)
+    f = f + tl.load(dtb_ptr + c + i).to(tl.float32)[None, :]
+    rate = tl.exp(tl.load(alog_ptr + h).to(tl.float32))
+    if SAFE_GATE:
+        G = lower_bound * tl.sigmoid(rate * f)
+    else:
+        G = -rate * tl.where(f > 20.0, f, _log1p(tl.exp(f)))  # softplus, with torch's threshold
+    G = _round(G, dtype)  # the twin rounds the gate to the model dtype
+    bl = tl.load(b_ptr + t2 * s_b + h * s_bc, mask=t2 < T, other=0.0)
+    B = _round(tl.sigmoid(bl.to(tl.float32)), bl.dtype)  # sigmoid in beta_logit's dtype
+    og = tl.load(og_ptr + t2[:, None] * s_og + (c + j)[None, :] * s_ogc, mask=tm, other=0.0).to(tl.float32)
+    OG = tl.sigmoid(og)
+    onw = tl.load(onw_ptr + j).to(tl.float32)
+    odt = o_ptr.dtype.element_ty
+
+    for t in tl.static_range(T):
+        q = _row(qs, t)
+        q = q / tl.sqrt(tl.sum(q * q, axis=0) + 1e-6) * q_scale
+        k = _row(ks, t)
+        k = k / tl.sqrt(tl.sum(k * k, axis=0) + 1e-6)
+        g = _row(G, t)
+        beta = tl.sum(tl.where(t2 == t, B, 0.0), axis=0)
+        S = S * tl.exp(g)[:, None]
+        delta = (_row(vs, t) - tl.sum(S * k[:, None], axis=0)) * beta
+        S = S + k[:, None] * delta[None, :]
+        o = tl.sum(S * q[:, None], axis=0)
+        if KEEP:
+            tl.store(steps_ptr + t * H * DH * DH + h * DH * DH + i[:, None] * DH + j[None, :], S)
+
+        # gated RMSNorm of the whole head's o (rounded to the model dtype first, as the twin)
+        o = _round(o, dtype)
+        o = o * (1.0 / tl.sqrt(tl.sum(o * o, axis=0) / DH + eps))
+        # round first: the cast is then exact everywhere
+        tl.store(o_ptr + t * D + c + j, _round(onw * o * _row(OG, t), odt).to(odt))
+
+    tl.store(sp, S)
+
+
+def kda_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor, beta_logit: torch.Tensor,
+               out_gate: torch.Tensor, conv_state: torch.Tensor, recurrent: torch.Tensor, conv_w: torch.Tensor,
+               A_log: torch.Tensor, dt_bias: torch.Tensor, o_norm_w: torch.Tensor, heads: int, head_dim: int,
+               safe_gate: bool, lower_bound: float, eps: float, keep_steps: bool,
+               chunked: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """kda_core's signature and results, in one launch for T ≤ MAX_TOKENS (else, or chunked, the twin)."""
+    T, D = q.shape
+    K = conv_w.shape[1]
+    if chunked or T > MAX_TOKENS or head_dim & (head_dim - 1) or not recurrent.is_contiguous():
+        from sparkchat.engine.nn.kda import kda_core
+        from sparkchat.engine.nn.ops import ops
+
+        core = ops.kda_core if ops.kda_core is not kda_decode else kda_core
+        return core(q, k, v, f, beta_logit, out_gate, conv_state, recurrent, conv_w, A_log, dt_bias, o_norm_w,
+                    heads, head_dim, safe_gate, lower_bound, eps, keep_steps, chunked)
+    assert D == heads * head_dim and recurrent.dtype == torch.float32 and conv_state.shape == (K - 1, 3 * D)
+    assert dt_bias.is_contiguous() and o_norm_w.is_contiguous() and A_log.is_contiguous()
+    o = torch.empty(T, D, dtype=q.dtype, device=q.device)
+    window = torch.empty(K - 1 + T, 3 * D, dtype=q.dtype, device=q.device)
+    steps = (torch.empty(T, heads, head_dim, head_dim, dtype=torch.float32, device=q.device) if keep_steps
+             else None)
+    kda_decode_kernel[(heads,)](
+        q, k, v, f, beta_logit, out_gate, conv_state, recurrent, conv_w, A_log, dt_bias, o_norm_w,
+        o, window, steps if keep_steps else o,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), f.stride(0), f.stride(1),
+        beta_logit.stride(0), beta_logit.stride(1), out_gate.stride(0), out_gate.stride(1),
+        conv_state.stride(0), conv_state.stride(1), conv_w.stride(0), conv_w.stride(1),
+        float(head_dim ** -0.5), float(lower_bound), float(eps),
+        T=T, H=heads, DH=head_dim, KC=K, TP=triton.next_power_of_2(T), WP=triton.next_power_of_2(K - 1 + T),
+        KP=triton.next_power_of_2(K - 1), SAFE_GATE=bool(safe_gate), KEEP=bool(keep_steps), num_warps=8)
+    return o, window, steps
