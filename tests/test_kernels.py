@@ -198,6 +198,19 @@ def test_mxfp4_moe_int64_ids_and_defaults():
 
 
 @gpu
+def test_mxfp4_moe_fused_shared_add_rounds_like_torch():
+    from sparkchat.engine.kernels.mxfp4_moe import mxfp4_moe
+    gen = torch.Generator().manual_seed(5)
+    w13, s13, w2, s2 = (t.cuda() for t in make_experts(16, 256, 128, gen=gen))
+    for T in (1, 4):
+        ids, wts = make_routing(T, 8, 16, 2, gen)
+        x = torch.randn(T, 256, generator=gen).bfloat16().cuda()
+        shared = torch.randn(T, 256, generator=gen).bfloat16().cuda()
+        out = mxfp4_moe(x, ids.cuda(), wts.cuda(), w13, s13, w2, s2, 0.0)
+        assert torch.equal(mxfp4_moe(x, ids.cuda(), wts.cuda(), w13, s13, w2, s2, 0.0, add=shared), out + shared)
+
+
+@gpu
 @pytest.mark.parametrize("N,K", [(256, 256), (200, 144), (576, 512), (2560, 4096), (20480, 2560)])
 @pytest.mark.parametrize("T", [1, 2, 4, 5])
 @pytest.mark.parametrize("prefetch,split,bk,row_acc", [(False, 1, None, False), (True, 1, None, False),
@@ -250,7 +263,11 @@ _INTERPRET_SCRIPT = textwrap.dedent("""
         x = torch.randn(T, 64, generator=gen).bfloat16()
         cfg = MoeConfig(bn1=4, rs1=2, bkw1=8, bn2=8, rs2=2, bkw2=4, dedupe=dedupe, prefetch=prefetch)
         out = mxfp4_moe(x, ids, wts, w13, s13, w2, s2, limit, config=cfg)
-        assert rel_err(out, ref.mxfp4_moe_reference(x, ids, wts, w13, s13, w2, s2, limit)) < 1e-2, T
+        want = ref.mxfp4_moe_reference(x, ids, wts, w13, s13, w2, s2, limit)
+        assert rel_err(out, want) < 1e-2, T
+        shared = torch.randn(T, 64, generator=gen).bfloat16()
+        added = mxfp4_moe(x, ids, wts, w13, s13, w2, s2, limit, config=cfg, add=shared)
+        assert rel_err(added, out.float() + shared.float()) < 1e-2, T  # interpreter: bf16 casts truncate
     w, si = make_fp8(200, 96, gen=gen)
     x = torch.randn(2, 96, generator=gen).bfloat16()
     for prefetch in (False, True):

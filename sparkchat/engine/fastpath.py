@@ -3,7 +3,8 @@
 - FP8 block-scaled linears (decode and verify windows) → `fp8_block_gemv`;
 - routed MXFP4 experts → `mxfp4_moe` (reads only the selected experts' 4-bit weights);
 - the FP8 LM head → `fp8_head_gemv`;
-- the router's group-limited top-k → `route` (one program per token).
+- the router's group-limited top-k → `route` (one program per token);
+- MLA decode/verify attention → `mla_decode` (the latent cache read once per block for all heads).
 Each kernel has a pure-torch twin (the modules' own forward), which is what runs when a switch is off.
 """
 
@@ -25,7 +26,7 @@ def kernels_unavailable_reason(device: torch.device, dtype: torch.dtype) -> str 
     try:
         import triton  # noqa: F401
 
-        from sparkchat.engine.kernels import fp8_gemv, mxfp4_moe  # noqa: F401
+        from sparkchat.engine.kernels import fp8_gemv, mla_decode, mxfp4_moe  # noqa: F401
     except ImportError as e:
         return f"Triton is not importable: {e}"
     return None
@@ -39,14 +40,18 @@ class ExpertsKernel:
     def __init__(self, experts: Experts) -> None:
         self.experts = experts
 
-    def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                 add: torch.Tensor | None = None) -> torch.Tensor:
+        """The routed experts' output, plus `add` (the shared expert's) when given: the kernel adds it
+        in its final sum, saving a launch."""
         if x.shape[0] > self.MAX_TOKENS:
-            return self.experts(x, ids, weights)  # prefill: the reference path
+            out = self.experts(x, ids, weights)  # prefill: the reference path
+            return out if add is None else out + add
         from sparkchat.engine.kernels.mxfp4_moe import mxfp4_moe
 
         ex = self.experts
         return mxfp4_moe(x.contiguous(), ids.contiguous(), weights.float().contiguous(), ex.w13, ex.w13_scale,
-                         ex.w2, ex.w2_scale, ex.limit)
+                         ex.w2, ex.w2_scale, ex.limit, add=None if add is None else add.contiguous())
 
 
 def _fp8_gemv() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
@@ -67,6 +72,12 @@ def _fp8_head() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Te
     return head
 
 
+def _mla_attend() -> Callable[..., torch.Tensor]:
+    from sparkchat.engine.kernels.mla_decode import mla_decode
+
+    return mla_decode  # (q_nope, q_rope, C, KR, w_kv, pos, attend, scale, nope) -> [T, heads, v_dim]
+
+
 def install(model, *, linears: bool, experts: bool, head: bool) -> None:
     """Turn each kernel family on or off on `model` (a LingModel on CUDA, bf16). `linears` also
     routes with the Triton router kernel."""
@@ -82,7 +93,12 @@ def install(model, *, linears: bool, experts: bool, head: bool) -> None:
     gemv = _fp8_gemv() if linears else None
     for lin in model.linears():
         lin.fast = gemv if lin.is_fp8 and lin.weight.is_cuda else None
+    from sparkchat.engine.nn.mla import MultiLatentAttention
+
+    attend = _mla_attend() if linears else None
     for m in model.modules():
         if isinstance(m, MoE):
             m.fast_experts = ExpertsKernel(m.experts) if experts and m.experts.is_mxfp4 else None
+        elif isinstance(m, MultiLatentAttention):
+            m.fast_attend = attend if m.kv_b_proj.weight.is_cuda else None
     model.lm_head.fast_fp8 = _fp8_head() if head else None

@@ -50,16 +50,16 @@ def _window(in_ptr, s_in, s_inc, conv_ptr, s_cv, s_cvc, c0, r, valid, ch, dtype:
 
 
 @triton.jit
-def _conv(in_ptr, s_in, s_inc, conv_ptr, s_cv, s_cvc, w_ptr, s_w, s_wc, win_ptr, c0, ch, dtype: tl.constexpr,
+def _conv(in_ptr, s_in, s_inc, conv_ptr, s_cv, s_cvc, w_ptr, s_w, s_wc, win_ptr, wmask, c0, ch, dtype: tl.constexpr,
           T: tl.constexpr, KC: tl.constexpr, TP: tl.constexpr, WP: tl.constexpr, KP: tl.constexpr,
           W3: tl.constexpr):
-    """One of q|k|v for this head's channels c0+ch: stores its window slice; returns silu(causal conv)
+    """One of q|k|v for this head's channels c0+ch: stores its window slice (if wmask); returns silu(causal conv)
     rounded to the model dtype at the T positions [TP, DH], and the new conv state rows [KP, DH].
     Small 2-D tiles (re-read from cache) rather than per-row vectors: they stay out of the registers
     the state needs."""
     rw = tl.arange(0, WP)
     x = _window(in_ptr, s_in, s_inc, conv_ptr, s_cv, s_cvc, c0, rw, rw < KC - 1 + T, ch, dtype, KC)
-    tl.store(win_ptr + rw[:, None] * W3 + (c0 + ch)[None, :], x.to(dtype), mask=(rw < KC - 1 + T)[:, None])
+    tl.store(win_ptr + rw[:, None] * W3 + (c0 + ch)[None, :], x.to(dtype), mask=(rw < KC - 1 + T)[:, None] & wmask)
     t = tl.arange(0, TP)
     acc = tl.zeros((TP, ch.shape[0]), dtype=tl.float32)
     for j in tl.static_range(KC):
@@ -84,34 +84,42 @@ def kda_decode_kernel(
     conv_ptr, rec_ptr,  # states, updated in place: conv [K-1, 3D], recurrent [H, DH, DH] fp32 contiguous
     cw_ptr, alog_ptr, dtb_ptr, onw_ptr,  # conv weight [3D, K], A_log [H], dt_bias [D], o_norm weight [DH]
     o_ptr, win_ptr, steps_ptr,  # outputs: o [T, D], window [K-1+T, 3D], steps [T, H, DH, DH] (KEEP only)
+    cnt_ptr,  # [H] int32 arrival counters, zero between launches (NB > 1 only)
     s_q, s_qc, s_k, s_kc, s_v, s_vc, s_f, s_fc, s_b, s_bc, s_og, s_ogc, s_cv, s_cvc, s_w, s_wc,
     q_scale, lower_bound, eps,
-    T: tl.constexpr, H: tl.constexpr, DH: tl.constexpr, KC: tl.constexpr,
+    T: tl.constexpr, H: tl.constexpr, DH: tl.constexpr, KC: tl.constexpr, NB: tl.constexpr,
     TP: tl.constexpr, WP: tl.constexpr, KP: tl.constexpr, SAFE_GATE: tl.constexpr, KEEP: tl.constexpr,
 ):
+    """Program (h, b): head h, value columns [b*DH/NB, (b+1)*DH/NB) of its state (the delta rule never
+    mixes value columns). The output norm needs the head's whole o: with NB > 1 each program stores its
+    o columns (rounded, unnormalized) and the head's last program to arrive normalizes them all."""
     h = tl.program_id(0)
+    vb = tl.program_id(1)
+    BV: tl.constexpr = DH // NB
     D: tl.constexpr = H * DH
     dtype = q_ptr.dtype.element_ty
     i = tl.arange(0, DH)  # along dk (rows of S)
-    j = tl.arange(0, DH)  # along dv (columns of S)
+    j = vb * BV + tl.arange(0, BV)  # along dv (columns of S)
     sp = rec_ptr + h * DH * DH + i[:, None] * DH + j[None, :]
     S = tl.load(sp)  # issued first: the state is most of the bytes
 
-    # conv: this program owns channels h*DH.. of each of q, k, v, so its window/state slices too
+    # conv: this head's channels of q, k (all of them, in every program) and v (this program's block)
     c = h * DH
-    qs, nq = _conv(q_ptr + c * s_qc, s_q, s_qc, conv_ptr, s_cv, s_cvc, cw_ptr, s_w, s_wc, win_ptr, c, i, dtype,
-                   T, KC, TP, WP, KP, 3 * D)
-    ks, nk = _conv(k_ptr + c * s_kc, s_k, s_kc, conv_ptr, s_cv, s_cvc, cw_ptr, s_w, s_wc, win_ptr, D + c, i, dtype,
-                   T, KC, TP, WP, KP, 3 * D)
-    vs, nv = _conv(v_ptr + c * s_vc, s_v, s_vc, conv_ptr, s_cv, s_cvc, cw_ptr, s_w, s_wc, win_ptr, 2 * D + c, j,
+    first = vb == 0  # writes the q/k window slices
+    qs, nq = _conv(q_ptr + c * s_qc, s_q, s_qc, conv_ptr, s_cv, s_cvc, cw_ptr, s_w, s_wc, win_ptr, first, c, i,
                    dtype, T, KC, TP, WP, KP, 3 * D)
+    ks, nk = _conv(k_ptr + c * s_kc, s_k, s_kc, conv_ptr, s_cv, s_cvc, cw_ptr, s_w, s_wc, win_ptr, first, D + c, i,
+                   dtype, T, KC, TP, WP, KP, 3 * D)
+    vs, nv = _conv(v_ptr + c * s_vc, s_v, s_vc, conv_ptr, s_cv, s_cvc, cw_ptr, s_w, s_wc, win_ptr, True, 2 * D + c,
+                   j, dtype, T, KC, TP, WP, KP, 3 * D)
     # every thread's reads of the old conv/recurrent values are done before any in-place write
     tl.debug_barrier()
     rn = tl.arange(0, KP)[:, None]
     cdt = conv_ptr.dtype.element_ty  # exact: the rows hold values of the model dtype
-    tl.store(conv_ptr + rn * s_cv + (c + i)[None, :] * s_cvc, nq.to(cdt), mask=rn < KC - 1)
-    tl.store(conv_ptr + rn * s_cv + (D + c + i)[None, :] * s_cvc, nk.to(cdt), mask=rn < KC - 1)
     tl.store(conv_ptr + rn * s_cv + (2 * D + c + j)[None, :] * s_cvc, nv.to(cdt), mask=rn < KC - 1)
+    if NB == 1:  # else the other programs of this head still read the old q/k state: the last one writes it
+        tl.store(conv_ptr + rn * s_cv + (c + i)[None, :] * s_cvc, nq.to(cdt), mask=rn < KC - 1)
+        tl.store(conv_ptr + rn * s_cv + (D + c + i)[None, :] * s_cvc, nk.to(cdt), mask=rn < KC - 1)
 
     # gate, beta and the output gate for all T positions at once, as small tiles
     t2 = tl.arange(0, TP)
@@ -122,14 +130,15 @@ def kda_decode_kernel(
     if SAFE_GATE:
         G = lower_bound * tl.sigmoid(rate * f)
     else:
-        G = -rate * tl.where(f > 20.0, f, _log1p(tl.exp(f)))  # softplus, with torch's threshold
+        G = -rate * tl.where(f > 20.0, f, _log1p(tl.exp(tl.minimum(f, 20.0))))  # softplus, torch's threshold
     G = _round(G, dtype)  # the twin rounds the gate to the model dtype
     bl = tl.load(b_ptr + t2 * s_b + h * s_bc, mask=t2 < T, other=0.0)
     B = _round(tl.sigmoid(bl.to(tl.float32)), bl.dtype)  # sigmoid in beta_logit's dtype
-    og = tl.load(og_ptr + t2[:, None] * s_og + (c + j)[None, :] * s_ogc, mask=tm, other=0.0).to(tl.float32)
-    OG = tl.sigmoid(og)
-    onw = tl.load(onw_ptr + j).to(tl.float32)
     odt = o_ptr.dtype.element_ty
+    if NB == 1:
+        og = tl.load(og_ptr + t2[:, None] * s_og + (c + j)[None, :] * s_ogc, mask=tm, other=0.0).to(tl.float32)
+        OG = tl.sigmoid(og)
+        onw = tl.load(onw_ptr + j).to(tl.float32)
 
     for t in tl.static_range(T):
         q = _row(qs, t)
@@ -138,31 +147,60 @@ def kda_decode_kernel(
         k = k / tl.sqrt(tl.sum(k * k, axis=0) + 1e-6)
         g = _row(G, t)
         beta = tl.sum(tl.where(t2 == t, B, 0.0), axis=0)
+
         S = S * tl.exp(g)[:, None]
         delta = (_row(vs, t) - tl.sum(S * k[:, None], axis=0)) * beta
         S = S + k[:, None] * delta[None, :]
-        o = tl.sum(S * q[:, None], axis=0)
+        o = _round(tl.sum(S * q[:, None], axis=0), dtype)  # the twin rounds o before the norm
         if KEEP:
             tl.store(steps_ptr + t * H * DH * DH + h * DH * DH + i[:, None] * DH + j[None, :], S)
-
-        # gated RMSNorm of the whole head's o (rounded to the model dtype first, as the twin)
-        o = _round(o, dtype)
-        o = o * (1.0 / tl.sqrt(tl.sum(o * o, axis=0) / DH + eps))
-        # round first: the cast is then exact everywhere
-        tl.store(o_ptr + t * D + c + j, _round(onw * o * _row(OG, t), odt).to(odt))
+        if NB == 1:  # gated RMSNorm over the whole head, in the twin's order; round first: the cast is exact
+            o = o * (1.0 / tl.sqrt(tl.sum(o * o, axis=0) / DH + eps))
+            tl.store(o_ptr + t * D + c + j, _round(onw * o * _row(OG, t), odt).to(odt))
+        else:
+            tl.store(o_ptr + t * D + c + j, o.to(odt))  # exact, normalized below
 
     tl.store(sp, S)
+    if NB > 1:
+        # the CUTLASS semaphore pattern: CTA barrier, one release atomic; the last arrival's acquire
+        # makes every program's o columns visible, and all of them are past their old-state reads
+        tl.debug_barrier()
+        if tl.atomic_add(cnt_ptr + h, 1, sem="acq_rel", scope="gpu") == NB - 1:
+            tl.store(conv_ptr + rn * s_cv + (c + i)[None, :] * s_cvc, nq.to(cdt), mask=rn < KC - 1)
+            tl.store(conv_ptr + rn * s_cv + (D + c + i)[None, :] * s_cvc, nk.to(cdt), mask=rn < KC - 1)
+            jj = tl.arange(0, DH)
+            op = o_ptr + t2[:, None] * D + (c + jj)[None, :]
+            O = tl.load(op, mask=tm, other=0.0, cache_modifier=".cg").to(tl.float32)
+            O = O * (1.0 / tl.sqrt(tl.sum(O * O, axis=1) / DH + eps))[:, None]
+            og = tl.load(og_ptr + t2[:, None] * s_og + (c + jj)[None, :] * s_ogc, mask=tm, other=0.0)
+            y = tl.load(onw_ptr + jj).to(tl.float32)[None, :] * O * tl.sigmoid(og.to(tl.float32))
+            tl.store(op, _round(y, odt).to(odt), mask=tm)
+            tl.atomic_xchg(cnt_ptr + h, 0)  # ready for the next launch
+
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _counters(device: torch.device, n: int) -> torch.Tensor:
+    """Arrival counters for NB > 1, one buffer per device, kept zero by the kernel itself (allocated by
+    the first call: outside any CUDA graph capture, as the engine warms up before capturing)."""
+    buf = _COUNTERS.get(device)
+    if buf is None or buf.numel() < n:
+        buf = _COUNTERS[device] = torch.zeros(max(n, 64), dtype=torch.int32, device=device)
+    return buf
 
 
 def kda_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor, beta_logit: torch.Tensor,
                out_gate: torch.Tensor, conv_state: torch.Tensor, recurrent: torch.Tensor, conv_w: torch.Tensor,
                A_log: torch.Tensor, dt_bias: torch.Tensor, o_norm_w: torch.Tensor, heads: int, head_dim: int,
-               safe_gate: bool, lower_bound: float, eps: float, keep_steps: bool,
-               chunked: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """kda_core's signature and results, in one launch for T ≤ MAX_TOKENS (else, or chunked, the twin)."""
+               safe_gate: bool, lower_bound: float, eps: float, keep_steps: bool, chunked: bool, *,
+               dv_blocks: int = 1, num_warps: int = 8) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """kda_core's signature and results, in one launch for T ≤ MAX_TOKENS (else, or chunked, the twin).
+    dv_blocks > 1 splits each head's value columns over that many programs (heads × dv_blocks of them)."""
     T, D = q.shape
     K = conv_w.shape[1]
-    if chunked or T > MAX_TOKENS or head_dim & (head_dim - 1) or not recurrent.is_contiguous():
+    if (chunked or T > MAX_TOKENS or head_dim & (head_dim - 1) or head_dim % dv_blocks
+            or not recurrent.is_contiguous()):
         from sparkchat.engine.nn.kda import kda_core
         from sparkchat.engine.nn.ops import ops
 
@@ -175,13 +213,15 @@ def kda_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tenso
     window = torch.empty(K - 1 + T, 3 * D, dtype=q.dtype, device=q.device)
     steps = (torch.empty(T, heads, head_dim, head_dim, dtype=torch.float32, device=q.device) if keep_steps
              else None)
-    kda_decode_kernel[(heads,)](
+    cnt = _counters(q.device, heads) if dv_blocks > 1 else o
+    kda_decode_kernel[(heads, dv_blocks)](
         q, k, v, f, beta_logit, out_gate, conv_state, recurrent, conv_w, A_log, dt_bias, o_norm_w,
-        o, window, steps if keep_steps else o,
+        o, window, steps if keep_steps else o, cnt,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), f.stride(0), f.stride(1),
         beta_logit.stride(0), beta_logit.stride(1), out_gate.stride(0), out_gate.stride(1),
         conv_state.stride(0), conv_state.stride(1), conv_w.stride(0), conv_w.stride(1),
         float(head_dim ** -0.5), float(lower_bound), float(eps),
-        T=T, H=heads, DH=head_dim, KC=K, TP=triton.next_power_of_2(T), WP=triton.next_power_of_2(K - 1 + T),
-        KP=triton.next_power_of_2(K - 1), SAFE_GATE=bool(safe_gate), KEEP=bool(keep_steps), num_warps=8)
+        T=T, H=heads, DH=head_dim, KC=K, NB=dv_blocks, TP=triton.next_power_of_2(T),
+        WP=triton.next_power_of_2(K - 1 + T), KP=triton.next_power_of_2(K - 1), SAFE_GATE=bool(safe_gate),
+        KEEP=bool(keep_steps), num_warps=num_warps)
     return o, window, steps

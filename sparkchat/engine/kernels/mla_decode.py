@@ -2,13 +2,15 @@
 
 Decode and verify steps (T <= 8 tokens) attend over a fixed bucket of cache rows; what matters is reading
 the cache once. All heads share one latent C and one rope key per row, so a program takes a tile of
-BLOCK_M query rows — flattened (token, head) pairs, at the real shapes one token's 32 heads — and streams
-a range of cache blocks once for all of them: scores = q_latent·C + q_rope·KR on tensor cores, an fp32
-online softmax with the causal-by-position mask, probs·C into an fp32 [BLOCK_M, rank] accumulator.
-The cache length is split over S programs per tile so short contexts still fill the GPU; a second small
-kernel merges the S partial results by their log-sum-exp. Rows past max(pos)+1 are never read, and each
-program splits that live length (not the bucket), so a graph captured for a large bucket stays cheap
-at small positions. kv_b_proj's fold into q and unfold out of the latent stay two batched torch GEMVs.
+BLOCK_M query rows (flattened (token, head) pairs: at the real shapes, one token's 32 heads) and streams
+its cache rows once for all of them: scores = q_latent·C + q_rope·KR on tensor cores, an fp32 online
+softmax with the causal-by-position mask, probs·C into an fp32 [BLOCK_M, rank] accumulator. (All T
+tokens' heads in one program would need T x 64 KiB of accumulator; instead the T tiles of a cache range
+are launched side by side and share it through L2.) The live rows are split over S programs per tile so
+short contexts still fill the GPU, and a small second kernel merges the S partials by log-sum-exp.
+Rows past max(pos)+1 are never read and each program splits that live length, not the bucket, so a graph
+captured for a large bucket stays cheap at small positions. kv_b_proj's fold into q and unfold out of
+the latent stay two batched torch GEMVs (cuBLAS).
 """
 
 from __future__ import annotations
@@ -71,10 +73,11 @@ def _attend_block(q, qpe, c_ptr, kr_ptr, s_c, s_kr, pos, n0, end, qk_scale, m_i,
 @triton.jit
 def mla_decode_split_kernel(
     ql_ptr, qr_ptr, c_ptr, kr_ptr, pos_ptr, po_ptr, plse_ptr,
-    attend, qk_scale,  # qk_scale = softmax scale * log2(e): the softmax runs in base 2
+    attend, S, qk_scale,  # qk_scale = softmax scale * log2(e): the softmax runs in base 2
     s_ql_t, s_ql_h, s_qr_t, s_qr_h, s_c, s_kr,
-    H: tl.constexpr, M: tl.constexpr, R: tl.constexpr, P: tl.constexpr, S: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ITERS: tl.constexpr, INTERPRET: tl.constexpr,
+    H: tl.constexpr, M: tl.constexpr, R: tl.constexpr, P: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    INTERPRET: tl.constexpr, ITERS: tl.constexpr,  # ITERS: the interpreter's loop bound only (0 on GPUs)
 ):
     """Query rows [pid_m*BLOCK_M, +BLOCK_M) (row = t*H + head) over split pid_s of the live cache rows.
     Writes the split's normalized output po[pid_s, row, :R] (fp32) and its base-2 log-sum-exp."""
@@ -84,7 +87,8 @@ def mla_decode_split_kernel(
     row_ok = rows < M
     t = rows // H
     hh = rows % H
-    pos = tl.load(pos_ptr + t, mask=row_ok, other=0).to(tl.int32)  # padded rows see row 0 only: harmless, never stored
+    # padded rows (past M) get position 0: they see row 0 only, so stay finite, and are never stored
+    pos = tl.load(pos_ptr + t, mask=row_ok, other=0).to(tl.int32)
     # The live length of this tile (its last token sees rows 0..max pos), split evenly in whole blocks.
     kv_len = tl.minimum(tl.max(pos, axis=0) + 1, attend)
     split_len = tl.cdiv(tl.cdiv(kv_len, S), BLOCK_N) * BLOCK_N
@@ -118,11 +122,12 @@ def mla_decode_split_kernel(
 
 @triton.jit
 def mla_decode_combine_kernel(
-    po_ptr, plse_ptr, out_ptr, s_out_t, s_out_h,
-    H: tl.constexpr, M: tl.constexpr, R: tl.constexpr, S: tl.constexpr, SP: tl.constexpr,
-    SC: tl.constexpr, BLOCK_R: tl.constexpr, INTERPRET: tl.constexpr,
+    po_ptr, plse_ptr, out_ptr, S, s_out_t, s_out_h,
+    H: tl.constexpr, M: tl.constexpr, R: tl.constexpr, SP: tl.constexpr, SC: tl.constexpr,
+    BLOCK_R: tl.constexpr, INTERPRET: tl.constexpr,
 ):
-    """One query row, BLOCK_R latent columns: the S partial outputs weighted by exp2(lse_s - lse)."""
+    """One query row, BLOCK_R latent columns: the S partial outputs weighted by exp2(lse_s - lse).
+    S is a runtime value (SP, its next power of two, bounds the loops) so buckets share compiled code."""
     row = tl.program_id(0)
     r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     sp = tl.arange(0, SP)
@@ -131,7 +136,7 @@ def mla_decode_combine_kernel(
     denom = tl.sum(tl.exp2(lse - top), axis=0)
     acc = tl.zeros([BLOCK_R], tl.float32)
     sc = tl.arange(0, SC)
-    for s0 in tl.static_range(0, S, SC):  # SC splits at a time keeps the [SC, BLOCK_R] tile in registers
+    for s0 in tl.static_range(0, SP, SC):  # SC splits at a time keeps the [SC, BLOCK_R] tile in registers
         ss = s0 + sc
         w = tl.exp2(tl.load(plse_ptr + ss * M + row, mask=ss < S, other=float("-inf")) - top)
         part = tl.load(po_ptr + (ss[:, None] * M + row) * R + r[None, :], mask=(ss < S)[:, None], other=0.0)
@@ -153,7 +158,9 @@ class MlaDecodeConfig:
     block_n: int = 32  # cache rows per step
     warps: int = 8
     stages: int = 2
-    min_rows: int = 64  # per split: below this a split writes more partial output than it reads cache
+    # Rows per split at least: a split writes block_m x (rank + 1) fp32 partials (64 KiB at 32 x 512),
+    # about what 64 rows of cache are (72 KiB); shorter splits would move more partials than cache.
+    min_rows: int = 64
     programs: int | None = None  # target programs per launch; None: the device's SM count
     combine_block_r: int = 128
     combine_chunk: int = 16
@@ -168,11 +175,15 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+def _block_m(M: int, cfg: MlaDecodeConfig) -> int:
+    return min(cfg.block_m, max(16, triton.next_power_of_2(M)))  # small models: fewer idle rows
+
+
 def num_splits(T: int, heads: int, attend: int, device: torch.device, config: MlaDecodeConfig | None = None) -> int:
     """How many programs share each tile's cache rows: about one wave of programs in all, no split
     shorter than min_rows. A host-side function of shapes only (attend is fixed per CUDA graph)."""
     cfg = config or MlaDecodeConfig()
-    tiles = triton.cdiv(T * heads, cfg.block_m)
+    tiles = triton.cdiv(T * heads, _block_m(T * heads, cfg))
     target = cfg.programs or (_sm_count(device.index or 0) if device.type == "cuda" else 8)
     return max(1, min(target // tiles, triton.cdiv(attend, cfg.min_rows)))
 
@@ -197,24 +208,28 @@ def mla_decode(q_nope: torch.Tensor, q_rope: torch.Tensor, C: torch.Tensor, KR: 
         assert C.is_cuda, "mla_decode runs on CUDA (use nn.mla.mla_absorbed on the CPU)"
     M = T * H
     S = splits or num_splits(T, H, attend, C.device, cfg)
+    block_m = _block_m(M, cfg)
     w_uk, w_uv = w_kv[:, :nope], w_kv[:, nope:]  # [h, nope, r], [h, v, r]
     # Fold W_uk into q as the twin does (bf16 result): [h, T, r], batched over heads.
     q_lat = torch.matmul(q_nope.transpose(0, 1), w_uk)
     po = torch.empty(S, M, R, dtype=torch.float32, device=C.device)
     plse = torch.empty(S, M, dtype=torch.float32, device=C.device)
     o_lat = torch.empty(H, T, R, dtype=C.dtype, device=C.device)  # head-major: the unfold's batch dim
-    mla_decode_split_kernel[(triton.cdiv(M, cfg.block_m), S)](
-        q_lat, q_rope, C, KR, pos, po, plse, attend, float(scale) * math.log2(math.e),
+    interp = _interpreting()
+    # The tiles of one split are adjacent in launch order (axis 0), so they run together and share
+    # each cache block through L2.
+    mla_decode_split_kernel[(triton.cdiv(M, block_m), S)](
+        q_lat, q_rope, C, KR, pos, po, plse, attend, S, float(scale) * math.log2(math.e),
         q_lat.stride(1), q_lat.stride(0), q_rope.stride(0), q_rope.stride(1), C.stride(0), KR.stride(0),
-        H=H, M=M, R=R, P=P, S=S, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        ITERS=triton.cdiv(triton.cdiv(attend, S), cfg.block_n), INTERPRET=_interpreting(),
+        H=H, M=M, R=R, P=P, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
+        INTERPRET=interp, ITERS=triton.cdiv(triton.cdiv(attend, S), cfg.block_n) if interp else 0,
         num_warps=cfg.warps, num_stages=cfg.stages,
     )
     block_r = min(cfg.combine_block_r, R)
     sc = min(cfg.combine_chunk, triton.next_power_of_2(S))
     mla_decode_combine_kernel[(M, R // block_r)](
-        po, plse, o_lat, o_lat.stride(1), o_lat.stride(0), H=H, M=M, R=R, S=S, SP=triton.next_power_of_2(S),
-        SC=sc, BLOCK_R=block_r, INTERPRET=_interpreting(), num_warps=4,
+        po, plse, o_lat, S, o_lat.stride(1), o_lat.stride(0), H=H, M=M, R=R, SP=triton.next_power_of_2(S),
+        SC=sc, BLOCK_R=block_r, INTERPRET=interp, num_warps=4,
     )
     # Unfold with W_uv: [h, T, r] @ [h, r, v] -> [h, T, v], returned as a [T, h, v] view.
     return torch.matmul(o_lat, w_uv.transpose(1, 2)).transpose(0, 1)

@@ -282,8 +282,8 @@ def mxfp4_moe_stage1_kernel(
 
 @triton.jit
 def mxfp4_moe_stage2_kernel(
-    act_ptr, ids_ptr, w2_ptr, s2_ptr, part_ptr, cnt_ptr, y_ptr,
-    T: tl.constexpr, K: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
+    act_ptr, ids_ptr, w2_ptr, s2_ptr, part_ptr, cnt_ptr, y_ptr, add_ptr,
+    T: tl.constexpr, K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, HAS_ADD: tl.constexpr,
     BN: tl.constexpr, RS: tl.constexpr, BKW: tl.constexpr, UNROLL: tl.constexpr,
     NT: tl.constexpr, K_PAD: tl.constexpr, S_PAD: tl.constexpr, DEDUPE: tl.constexpr, PREFETCH: tl.constexpr,
 ):
@@ -324,7 +324,10 @@ def mxfp4_moe_stage2_kernel(
                 y = tl.zeros([BN], dtype=tl.float32)
                 for k in tl.static_range(K):
                     y += tl.load(part_ptr + (t * K + k) * H + rows + r * BN, cache_modifier=".cg")
-                tl.store(y_ptr + t * H + rows + r * BN, y.to(tl.bfloat16))
+                y = y.to(tl.bfloat16)
+                if HAS_ADD:  # the shared expert's output, added as torch adds two bf16 tensors
+                    y = (y.to(tl.float32) + tl.load(add_ptr + t * H + rows + r * BN).to(tl.float32)).to(tl.bfloat16)
+                tl.store(y_ptr + t * H + rows + r * BN, y)
         tl.store(cnt_ptr + nb, 0)  # ready for the next launch
 
 
@@ -400,6 +403,7 @@ def mxfp4_moe(
     swiglu_limit: float = 0.0,
     *,
     out: torch.Tensor | None = None,  # [T, H] bf16
+    add: torch.Tensor | None = None,  # [T, H] bf16 added to the result (the shared expert's output)
     workspace: MoeWorkspace | None = None,
     config: MoeConfig | None = None,
 ) -> torch.Tensor:
@@ -438,7 +442,9 @@ def mxfp4_moe(
     launch = _plan(T, K, H, inter, cfg)
     w13_i32, w2_i32 = w13.view(torch.int32), w2.view(torch.int32)
     launch.stage1(x, topk_ids, topk_weights, w13_i32, w13_scale, ws.act, float(swiglu_limit))
-    launch.stage2(ws.act, topk_ids, w2_i32, w2_scale, ws.part, ws.count, out)
+    if add is not None:
+        assert add.shape == (T, H) and add.dtype == torch.bfloat16 and add.is_contiguous()
+    launch.stage2(ws.act, topk_ids, w2_i32, w2_scale, ws.part, ws.count, out, add)
     return out
 
 
@@ -453,8 +459,9 @@ class _Plan:
     def stage1(self, x, ids, rw, w13_i32, s13, act, limit: float) -> None:
         mxfp4_moe_stage1_kernel[self.grid1](x, ids, rw, w13_i32, s13, act, limit, **self.meta1)
 
-    def stage2(self, act, ids, w2_i32, s2, part, count, out) -> None:
-        mxfp4_moe_stage2_kernel[self.grid2](act, ids, w2_i32, s2, part, count, out, **self.meta2)
+    def stage2(self, act, ids, w2_i32, s2, part, count, out, add=None) -> None:
+        mxfp4_moe_stage2_kernel[self.grid2](act, ids, w2_i32, s2, part, count, out, out if add is None else add,
+                                            HAS_ADD=add is not None, **self.meta2)
 
 
 def _plan(T: int, K: int, H: int, inter: int, cfg: MoeConfig) -> _Plan:

@@ -6,6 +6,7 @@ read by q. Decode runs the recurrence token by token; prefill uses the chunked f
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -104,6 +105,7 @@ class KimiDeltaAttention(nn.Module):
         self.dt_bias = nn.Parameter(torch.zeros(D), requires_grad=False)
         self.o_norm_weight = nn.Parameter(torch.ones(head_dim), requires_grad=False)
         self.fused: FusedLinear | None = None  # q|k|v|f|g in one weight, set at load time
+        self.fast_core: Callable | None = None  # kda_core's signature: decode/verify steps (fastpath sets it)
 
     def input_projections(self) -> list[Linear]:
         return [self.q_proj, self.k_proj, self.v_proj, self.f_proj, self.g_proj]
@@ -111,7 +113,10 @@ class KimiDeltaAttention(nn.Module):
     def forward(self, x: torch.Tensor, state: KDAState, keep_steps: bool = False,
                 chunked: bool = False) -> tuple[torch.Tensor, KDASteps | None]:
         q, k, v, f, out_gate = project(self.fused, self.input_projections(), x)
-        core = kda_core if chunked and not keep_steps else ops.kda_core  # prefill lengths vary: not compiled
+        if chunked:
+            core = kda_core if not keep_steps else ops.kda_core  # prefill lengths vary: not compiled
+        else:
+            core = self.fast_core if self.fast_core is not None else ops.kda_core
         o, window, rec_steps = core(q, k, v, f, self.b_proj(x), out_gate, state.conv,
                                     state.recurrent, self.conv_weight, self.A_log, self.dt_bias,
                                     self.o_norm_weight, self.heads, self.head_dim, self.safe_gate,

@@ -133,6 +133,8 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ids, weights = self.gate(x)
+        if self.fast_experts is not None and self.shared_experts is not None:
+            return self.fast_experts(x, ids, weights, add=self.shared_experts(x))  # the add fuses in
         experts = self.experts if self.fast_experts is None else self.fast_experts
         routed = experts(x, ids, weights)
         return routed if self.shared_experts is None else routed + self.shared_experts(x)

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from textual import events
 from textual.app import ComposeResult
+from textual.await_complete import AwaitComplete
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
+from textual.widget import Widget
 from textual.widgets import Collapsible, Label, Markdown, Static
 from textual.widgets.markdown import MarkdownFence, MarkdownStream
 
@@ -79,6 +81,40 @@ class UserMessage(MessageView):
         yield Static(self.raw, classes="body", markup=False)  # as typed: line breaks kept, no Markdown
 
 
+class ChatMarkdown(Markdown):
+    """Markdown whose last block carries the class `-last` (CSS drops its bottom margin).
+
+    A class, not a `:last-child` rule: Textual restyles every child that has an order rule whenever a
+    child is mounted, so such a rule makes each streamed block restyle all the blocks before it."""
+
+    def __init__(self, markdown: str | None = None, *, classes: str | None = None) -> None:
+        super().__init__(markdown, classes=classes)
+        self._last: Widget | None = None
+
+    def update(self, markdown: str) -> AwaitComplete:
+        return self._then_mark(super().update(markdown))
+
+    def append(self, markdown: str) -> AwaitComplete:
+        return self._then_mark(super().append(markdown))
+
+    def _then_mark(self, pending: AwaitComplete) -> AwaitComplete:
+        async def run() -> None:
+            await pending
+            self._mark_last()
+
+        return AwaitComplete(run())
+
+    def _mark_last(self) -> None:
+        last = self.children[-1] if self.children else None
+        if last is self._last:
+            return
+        if self._last is not None and self._last.parent is self:
+            self._last.remove_class("-last")
+        if last is not None:
+            last.add_class("-last")
+        self._last = last
+
+
 class _Part:
     """One streamed Markdown widget and what has been written to it."""
 
@@ -128,8 +164,8 @@ class AssistantMessage(MessageView):
         think, answer, _ = split_thinking(self.raw, final=not self._streaming)
         yield self.header(self.model)
         with Collapsible(title="Reasoning", collapsed=True, classes="thinking"):
-            yield Markdown(think, classes="thinking-body")
-        yield Markdown(answer, classes="body")
+            yield ChatMarkdown(think, classes="thinking-body")
+        yield ChatMarkdown(answer, classes="body")
         yield Static(self._summary_text(), classes="summary", markup=False)
 
     def on_mount(self) -> None:

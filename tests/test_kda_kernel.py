@@ -1,0 +1,207 @@
+"""The fused KDA decode kernel (kernels.kda_decode) against its torch twin nn.kda.kda_core: under Triton's
+CPU interpreter (when triton is installed) and on CUDA (when there is a GPU).
+
+Inputs are column slices of one fused projection (non-contiguous, as the engine passes them). Both sides
+round at the same points (conv output, gate, beta, o before the norm, the output), so under the
+interpreter the bf16 outputs must match bit for bit (99%+: an fp32 ulp of exp/sigmoid between numpy and
+torch may flip a rounding) and the fp32 states within 1e-4 of their max. On CUDA the kernel's fast exp
+and FMAs flip a bf16 rounding now and then (one gate or conv channel, which moves the state ~1e-3), so
+there the bound is 95% of state elements within 1e-4 and all within 1e-2. Window and conv state are pure
+data movement: exact everywhere. Perturbing one gate input, one beta or one norm weight must fail.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+GPU = torch.cuda.is_available() and HAS_TRITON
+
+# (T, heads, head_dim, safe_gate, keep_steps, dv_blocks, conv K, dtype)
+CASES = [
+    (1, 2, 16, True, False, 1, 4, torch.bfloat16),
+    (1, 3, 32, False, True, 1, 4, torch.bfloat16),
+    (2, 2, 64, True, True, 1, 4, torch.bfloat16),
+    (2, 4, 16, False, False, 1, 4, torch.bfloat16),
+    (5, 2, 32, False, True, 1, 4, torch.bfloat16),
+    (5, 4, 16, True, False, 1, 4, torch.bfloat16),
+    (8, 2, 16, True, True, 1, 4, torch.bfloat16),  # MAX_TOKENS
+    (5, 2, 32, True, True, 4, 4, torch.bfloat16),  # value columns split over programs
+    (1, 2, 32, False, False, 2, 4, torch.bfloat16),
+    (5, 2, 16, False, True, 1, 2, torch.bfloat16),  # other conv sizes (T < K-1 and T > K-1)
+    (3, 2, 16, True, True, 2, 3, torch.bfloat16),
+    (2, 2, 32, False, True, 1, 4, torch.float32),  # no rounding at all
+]
+REAL = [(1, 2, 128, True, False, 1, 4, torch.bfloat16), (5, 2, 128, False, True, 1, 4, torch.bfloat16)]
+
+
+def make_inputs(T, heads, head_dim, K, dtype, device, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    D = heads * head_dim
+
+    def rnd(*shape, s=1.0):
+        return torch.randn(*shape, generator=g) * s
+
+    fused = rnd(T, 5 * D + 8, s=2.0).to(dtype).to(device)  # q|k|v|f|g of one projection, padded rows
+    q, k, v, f, og = fused[:, :5 * D].split(D, dim=-1)
+    beta_logit = rnd(T, heads + 1).to(dtype).to(device)[:, :heads]
+    conv = rnd(K - 1, 3 * D).to(dtype).to(device)
+    rec = rnd(heads, head_dim, head_dim, s=0.3).to(device)
+    weights = (rnd(3 * D, K, s=0.5).to(device), rnd(heads, s=0.5).to(device), rnd(D).to(device),
+               (1 + rnd(head_dim, s=0.1)).to(dtype).to(device))
+    return [q, k, v, f, beta_logit, og], (conv, rec), weights
+
+
+def compare(case, device, *, seed=0, perturb=None) -> list[str]:
+    """Kernel vs twin on one case: the list of mismatches (empty: they agree). perturb names one input
+    the kernel alone gets nudged: 'gate' (one f element), 'beta' (one logit), 'norm' (one norm weight)."""
+    from sparkchat.engine.kernels.kda_decode import _COUNTERS, kda_decode
+    from sparkchat.engine.nn.kda import kda_core
+
+    T, H, DH, safe, keep, nb, K, dtype = case
+    x, (conv, rec), (cw, alog, dtb, onw) = make_inputs(T, H, DH, K, dtype, device, seed)
+    lb = -5.0 if safe else 5.0
+    c1, r1 = conv.clone(), rec.clone()
+    o1, w1, s1 = kda_core(*x, c1, r1, cw, alog, dtb, onw, H, DH, safe, lb, 1e-6, keep, False)
+    if perturb == "gate":
+        x[3] = x[3].clone()
+        x[3][T - 1, DH + 1] += 0.05
+    elif perturb == "beta":
+        x[4] = x[4].clone()
+        x[4][T - 1, 1] += 0.05
+    elif perturb == "norm":
+        onw = onw.clone()
+        onw[3] *= 1.05
+    c2, r2 = conv.clone(), rec.clone()
+    o2, w2, s2 = kda_decode(*x, c2, r2, cw, alog, dtb, onw, H, DH, safe, lb, 1e-6, keep, False, dv_blocks=nb)
+
+    bad = []
+    strict = device == "cpu" or dtype == torch.float32
+    if o2.shape != o1.shape or o2.dtype != o1.dtype or not torch.isfinite(o2).all():
+        return [f"o: {o2.shape} {o2.dtype}"]
+    if dtype == torch.float32:
+        err = ((o2 - o1).abs().max() / o1.abs().max()).item()
+        if err > 1e-4:
+            bad.append(f"o off by {err:.3g}")
+    else:
+        same = (o2 == o1).float().mean().item()
+        if strict and same < 0.99:
+            bad.append(f"o: only {same:.1%} bit-identical")
+        if not torch.allclose(o2.float(), o1.float(), rtol=2 ** -6, atol=2 ** -6):  # a few bf16 ulps
+            bad.append(f"o off by {(o2.float() - o1.float()).abs().max().item():.3g}")
+    if not torch.equal(w2, w1):
+        bad.append("window differs")
+    if not torch.equal(c2, c1):
+        bad.append("conv state differs")
+    states = [("recurrent", r2, r1)] + ([("steps", s2, s1)] if keep else [])
+    if not keep and s2 is not None:
+        bad.append("steps returned without keep_steps")
+    for name, got, want in states:
+        rel = (got - want).abs() / want.abs().max()
+        if strict and rel.max().item() > 1e-4:
+            bad.append(f"{name} off by {rel.max().item():.3g} of its max")
+        if not strict and ((rel <= 1e-4).float().mean().item() < 0.95 or rel.max().item() > 1e-2):
+            bad.append(f"{name} off by {rel.max().item():.3g} of its max")
+    if nb > 1 and _COUNTERS[torch.device(device)].any():
+        bad.append("arrival counters not reset")
+    return bad
+
+
+def run_all(device: str, real: bool = True) -> None:
+    from sparkchat.engine.kernels.kda_decode import kda_decode
+    from sparkchat.engine.nn.kda import kda_core
+
+    for case in CASES + (REAL if real else []):
+        bad = compare(case, device)
+        assert not bad, (case, bad)
+    # the check has teeth: the kernel fed a nudged gate input, beta or norm weight must not pass
+    for perturb, case in (("gate", CASES[4]), ("beta", CASES[2]), ("norm", CASES[0])):
+        assert compare(case, device, perturb=perturb), f"a perturbed {perturb} went unnoticed"
+    # past MAX_TOKENS, and chunked, it hands over to the twin: the same results exactly
+    for T, chunked in ((9, False), (4, True)):
+        x, (conv, rec), w = make_inputs(T, 2, 16, 4, torch.bfloat16, device)
+        c1, r1, c2, r2 = conv.clone(), rec.clone(), conv.clone(), rec.clone()
+        a = kda_core(*x, c1, r1, *w, 2, 16, True, -5.0, 1e-6, False, chunked)
+        b = kda_decode(*x, c2, r2, *w, 2, 16, True, -5.0, 1e-6, False, chunked)
+        assert torch.equal(a[0], b[0]) and torch.equal(r1, r2) and torch.equal(c1, c2), (T, chunked)
+    print("kda kernel ok")
+
+
+def run_model(path: str) -> None:
+    """The hook in KimiDeltaAttention.forward: a tiny model's decode and verify steps through fast_core
+    match the twin's, and so do the states after rolling the verify back; prefill does not use it."""
+    from sparkchat.engine.config import ModelConfig
+    from sparkchat.engine.generate import Decoder
+    from sparkchat.engine.kernels.kda_decode import kda_decode
+    from sparkchat.engine.loader import load_model
+    from sparkchat.engine.nn.kda import KimiDeltaAttention
+    from sparkchat.engine.state import ConversationState
+
+    cfg = ModelConfig.from_dir(path)
+    model = load_model(path, cfg, "cpu", torch.bfloat16, 64)
+    seen = []
+
+    def core(*args):
+        seen.append(args[0].shape[0])
+        return kda_decode(*args)
+
+    def run(fast: bool):
+        for m in model.modules():
+            if isinstance(m, KimiDeltaAttention):
+                m.fast_core = core if fast else None
+        state = ConversationState.allocate(cfg, 64, "cpu", torch.bfloat16)
+        dec = Decoder(model, state)
+        prompt = list(range(5, 30))
+        dec.forward(prompt)  # prefill (chunked): not the kernel
+        dec.commit(prompt)
+        _, l1, _ = dec.forward([7])
+        dec.commit([7])
+        _, l2, kept = dec.forward([8, 9, 10], keep_steps=True)
+        state.rollback_kda(kept, 1)  # keep 8, 9
+        return torch.cat([l1, l2]), state.snapshot()
+
+    want, want_state = run(False)
+    assert not seen
+    got, got_state = run(True)
+    assert seen and set(seen) == {1, 3}, seen
+    rel = ((got - want).abs().amax(-1) / want.abs().amax(-1)).max().item()
+    assert rel < 0.02, rel
+    for name, t in want_state.items():
+        if name.startswith("kda."):
+            err = ((got_state[name].float() - t.float()).abs().max() / t.float().abs().max()).item()
+            assert err < 0.02, (name, err)
+    print("kda hook ok")
+
+
+_SCRIPT = """
+import sys, tempfile, pathlib
+from tests.conftest import make_model_dir
+from tests.test_kda_kernel import run_all, run_model
+run_all('cpu')
+run_model(str(make_model_dir(pathlib.Path(tempfile.mkdtemp(dir=sys.argv[1])) / 'tiny', seed=0, mtp=False)))
+"""
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed (its CPU interpreter runs these)")
+def test_kda_kernel_under_triton_interpreter(tmp_path):
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")  # set before triton is imported
+    r = subprocess.run([sys.executable, "-c", _SCRIPT, str(tmp_path)], cwd=root, env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0 and "kda kernel ok" in r.stdout and "kda hook ok" in r.stdout, r.stderr[-3000:]
+
+
+@pytest.mark.skipif(not GPU, reason="needs a CUDA device and triton")
+def test_kda_kernel_on_cuda():
+    run_all("cuda")
+    # the real shapes (32 heads of 128): decode, and a verify window with its steps, both grid layouts
+    for case in [(1, 32, 128, True, False, 1, 4, torch.bfloat16), (5, 32, 128, True, True, 1, 4, torch.bfloat16),
+                 (1, 32, 128, True, False, 4, 4, torch.bfloat16), (5, 32, 128, False, True, 4, 4, torch.bfloat16)]:
+        bad = compare(case, "cuda", seed=1)
+        assert not bad, (case, bad)
