@@ -297,6 +297,31 @@ def bench_fp8(rec: Recorder, sweep: bool) -> None:
         torch.cuda.empty_cache()
 
 
+def bench_router(rec: Recorder, sweep: bool) -> None:
+    """The router: split-K fp32 logits GEMV + the group-limited top-k kernel (two launches)."""
+    from sparkchat.engine.kernels.fp8_gemv import GemvConfig, plain_gemv_partials
+    from sparkchat.engine.kernels.router import route
+    from sparkchat.engine.nn.moe import route as route_ref
+
+    copies = 24
+    ws_ = [torch.randn(E, H, device="cuda") * H ** -0.5 for _ in range(copies)]
+    bias = torch.zeros(E, device="cuda")
+    for T in (1, 4):
+        x = torch.randn(T, H, device="cuda").bfloat16()
+        i1, _ = route_ref(x, ws_[0], bias, 8, 4, K, 2.5, True)
+        i2, _ = route(x, ws_[0], bias, 8, 4, K, 2.5, True)
+        assert torch.equal(i1.sort(-1).values, i2.sort(-1).values), "router kernel disagrees with its twin"
+        us = graph_us([lambda i=i: route(x, ws_[i], bias, 8, 4, K, 2.5, True) for i in range(copies)])
+        rec.add(f"router (logits GEMV + top-k) T={T}", us, E * H * 4 + T * H * 2)
+        if sweep:
+            for cfg in (GemvConfig(bn=16, rs=1, bk=256, warps=4, split=5), GemvConfig(bn=8, rs=1, bk=512, warps=2, split=5),
+                        GemvConfig(bn=16, rs=1, bk=128, warps=4, split=10), GemvConfig(bn=32, rs=1, bk=256, warps=8, split=5)):
+                g = graph_us([lambda i=i: plain_gemv_partials(x, ws_[i], cfg) for i in range(copies)])
+                print(f"    router GEMV T={T} cfg {asdict(cfg)}: {g:.2f} us", flush=True)
+    del ws_
+    torch.cuda.empty_cache()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", default="bench_kernels.json")
@@ -319,6 +344,7 @@ def main() -> None:
         torch.cuda.empty_cache()
     if args.only in (None, "fp8"):
         bench_fp8(rec, args.sweep)
+        bench_router(rec, args.sweep)
     print(f"\n{'kernel':<46} {'us':>9} {'MB':>9} {'GB/s':>8} {'%read':>7}")
     for r in rec.rows:
         print(f"{r['name']:<46} {r['us']:9.2f} {r['MB']:9.2f} {r['GBps']:8.0f} {r['pct_read_bw']:7.1f}")

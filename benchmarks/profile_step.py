@@ -42,7 +42,7 @@ def main() -> None:
     events = prof.key_averages()
     n_kernels = sum(e.count for e in events if e.device_type.name == "CUDA")
     print(f"kernels per decode step: {n_kernels}")
-    print(events.table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70))
+    print(events.table(sort_by="cuda_time_total", row_limit=45, max_name_column_width=70))
     graphed = Decoder(model, state, StepGraphs(model, state))
     for _ in range(3):
         graphed.forward([1])

@@ -108,7 +108,7 @@ def compare(case, device, *, seed=0, perturb=None) -> list[str]:
             bad.append(f"{name} off by {rel.max().item():.3g} of its max")
         if not strict and ((rel <= 1e-4).float().mean().item() < 0.95 or rel.max().item() > 1e-2):
             bad.append(f"{name} off by {rel.max().item():.3g} of its max")
-    if nb > 1 and _COUNTERS[torch.device(device)].any():
+    if nb > 1 and _COUNTERS[o2.device].any():
         bad.append("arrival counters not reset")
     return bad
 

@@ -20,12 +20,15 @@ from sparkchat.engine.kernels.router import route
 dev = "cuda" if torch.cuda.is_available() else "cpu"
 torch.manual_seed(0)
 for E, G, TG, K, T in {cases}:
-    x = torch.randn(T, 64, device=dev); W = torch.randn(E, 64, device=dev) * 0.3; b = torch.randn(E, device=dev) * 0.1
-    for renorm in (True, False):
-        i1, w1 = ref(x, W, b, G, TG, K, 2.5, renorm)
-        i2, w2 = route(x, W, b, G, TG, K, 2.5, renorm)
-        assert torch.equal(i1, i2), (E, G, i1, i2)
-        assert torch.allclose(w1, w2, atol=1e-6), (w1, w2)
+    # bf16 activations take the split-K GEMV (the model's case); fp32 ones the torch matmul
+    for dtype, H in ((torch.float32, 64), (torch.bfloat16, 640)):
+        x = torch.randn(T, H, device=dev).to(dtype); W = torch.randn(E, H, device=dev) * 0.3 * (64 / H) ** 0.5
+        b = torch.randn(E, device=dev) * 0.1
+        for renorm in (True, False):
+            i1, w1 = ref(x, W, b, G, TG, K, 2.5, renorm)
+            i2, w2 = route(x, W, b, G, TG, K, 2.5, renorm)
+            assert torch.equal(i1, i2), (E, G, dtype, i1, i2)
+            assert torch.allclose(w1, w2, atol=1e-5), (w1, w2)
 print("ok")
 """
 

@@ -23,7 +23,7 @@ SCALE_BLOCK: tl.constexpr = tl.constexpr(128)
 @triton.jit
 def _gemv_loads(x_ptr, w_ptr, s_ptr, r0, k0, sub, kk, T: tl.constexpr, N: tl.constexpr, K: tl.constexpr,
                 KB: tl.constexpr, BN: tl.constexpr, RS: tl.constexpr, EVEN_N: tl.constexpr,
-                EVEN_K: tl.constexpr, ROW_SCALE: tl.constexpr):
+                EVEN_K: tl.constexpr, SCALE: tl.constexpr):
     """Raw fp8 tiles [BN, BK] of the RS row tiles at k0, and each token's activation chunk [BK] in
     fp32, already multiplied by the block scale of its columns (block scales: the RS tiles sit in one
     128-row scale block, so scaling the activations once replaces a multiply per weight)."""
@@ -40,7 +40,7 @@ def _gemv_loads(x_ptr, w_ptr, s_ptr, r0, k0, sub, kk, T: tl.constexpr, N: tl.con
         else:
             w = tl.load(wp, mask=(rows < N)[:, None] & kmask[None, :], other=0.0)
         ws = ws + (w,)
-    if not ROW_SCALE:
+    if SCALE == 0:
         sc = tl.load(s_ptr + (r0 // SCALE_BLOCK) * KB + cols // SCALE_BLOCK, mask=kmask, other=0.0)
     xs = ()
     for t in tl.static_range(T):
@@ -48,7 +48,7 @@ def _gemv_loads(x_ptr, w_ptr, s_ptr, r0, k0, sub, kk, T: tl.constexpr, N: tl.con
             xv = tl.load(x_ptr + t * K + cols).to(tl.float32)
         else:
             xv = tl.load(x_ptr + t * K + cols, mask=kmask, other=0.0).to(tl.float32)
-        if not ROW_SCALE:
+        if SCALE == 0:
             xv = xv * sc
         xs = xs + (xv,)
     return ws, xs
@@ -77,7 +77,7 @@ def fp8_gemv_kernel(
     x_ptr, w_ptr, s_ptr, y_ptr, pmax_ptr, pidx_ptr,
     T: tl.constexpr, N: tl.constexpr, K: tl.constexpr,
     BN: tl.constexpr, RS: tl.constexpr, BK: tl.constexpr, UNROLL: tl.constexpr,
-    ROW_SCALE: tl.constexpr,  # False: scale_inv [ceil(N/128), ceil(K/128)]; True: scale [N]
+    SCALE: tl.constexpr,  # 0: scale_inv [ceil(N/128), ceil(K/128)]; 1: scale [N]; 2: none (plain weights)
     OUT: tl.constexpr,  # 0: bf16 y [T, N]; 1: fp32 y [T, N]; 2: per-program (max, argmax) only;
                         # 3: fp32 split-K partial sums into y [SPLIT, T, N] (row scale not applied)
     SPLIT: tl.constexpr,  # programs along K (axis 1), each summing K / SPLIT columns
@@ -108,12 +108,12 @@ def fp8_gemv_kernel(
         # Software-pipelined by one k step: step k+1's weights and activations are in flight while
         # step k multiplies (the last step re-reads its own chunk: cache hits).
         ws, xs = _gemv_loads(x_ptr, w_ptr, s_ptr, r0, k_lo, sub, kk, T, N, K, KB, BN, RS, EVEN_N, EVEN_K,
-                             ROW_SCALE)
+                             SCALE)
         for kb in tl.range(0, KS, BK, loop_unroll_factor=UNROLL):
             k0 = k_lo + kb
             kn = k_lo + tl.minimum(kb + BK, (KS - 1) // BK * BK)
             ws_n, xs_n = _gemv_loads(x_ptr, w_ptr, s_ptr, r0, kn, sub, kk, T, N, K, KB, BN, RS, EVEN_N,
-                                     EVEN_K, ROW_SCALE)
+                                     EVEN_K, SCALE)
             accs = _gemv_step(accs, ws, xs, T, RS, ROW_ACC)
             ws = ws_n
             xs = xs_n
@@ -121,7 +121,7 @@ def fp8_gemv_kernel(
         for kb in tl.range(0, KS, BK, loop_unroll_factor=UNROLL):
             k0 = k_lo + kb
             ws, xs = _gemv_loads(x_ptr, w_ptr, s_ptr, r0, k0, sub, kk, T, N, K, KB, BN, RS, EVEN_N, EVEN_K,
-                                 ROW_SCALE)
+                                 SCALE)
             accs = _gemv_step(accs, ws, xs, T, RS, ROW_ACC)
     best_v = ()
     best_i = ()
@@ -132,7 +132,7 @@ def fp8_gemv_kernel(
                 y = accs[t * RS + r]
             else:
                 y = tl.sum(accs[t * RS + r], axis=1)
-            if ROW_SCALE and OUT != 3:
+            if SCALE == 1 and OUT != 3:
                 y = y * tl.load(s_ptr + rows, mask=rows < N, other=0.0)
             if OUT == 2:
                 y = tl.where(rows < N, y, float("-inf"))
@@ -158,7 +158,7 @@ def fp8_gemv_kernel(
 
 @triton.jit
 def splitk_reduce_kernel(part_ptr, s_ptr, y_ptr, TN: tl.constexpr, N: tl.constexpr, SPLIT: tl.constexpr,
-                         ROW_SCALE: tl.constexpr, OUT_BF16: tl.constexpr, BLOCK: tl.constexpr):
+                         SCALE: tl.constexpr, OUT_BF16: tl.constexpr, BLOCK: tl.constexpr):
     """y = sum of the SPLIT partials, in a fixed order (deterministic, unlike atomics), then the row
     scale and the output dtype."""
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -166,7 +166,7 @@ def splitk_reduce_kernel(part_ptr, s_ptr, y_ptr, TN: tl.constexpr, N: tl.constex
     acc = tl.load(part_ptr + i, mask=m, other=0.0)
     for s in tl.static_range(1, SPLIT):
         acc += tl.load(part_ptr + s * TN + i, mask=m, other=0.0)
-    if ROW_SCALE:
+    if SCALE == 1:
         acc = acc * tl.load(s_ptr + i % N, mask=m, other=0.0)
     if OUT_BF16:
         tl.store(y_ptr + i, acc.to(tl.bfloat16), mask=m)
@@ -231,11 +231,14 @@ def gemv_config(kind: str, T: int, N: int | None = None, K: int | None = None) -
         return tuned
     cfg = GemvConfig(bn=16, rs=1, bk=256, unroll=1, warps=4) if T == 1 else (
         GemvConfig() if T <= 2 else GemvConfig(rs=1))
-    if N is None or K is None or kind != "block":
+    if N is None or K is None or kind == "head":
         return cfg
-    programs, split = -(-N // (cfg.bn * cfg.rs)), 1
-    while programs * split < 2 * _sm_count() and split < 8 and K % (2 * split * cfg.bk) == 0:
-        split *= 2
+    programs, steps = -(-N // (cfg.bn * cfg.rs)), max(1, K // cfg.bk)
+    if K % cfg.bk:
+        return cfg
+    # the fewest k splits (each a whole number of k steps, at most 8) that give every SM two programs
+    fits = [s for s in range(1, 9) if steps % s == 0]
+    split = next((s for s in fits if programs * s >= 2 * _sm_count()), fits[-1])
     return GemvConfig(**{**cfg.__dict__, "split": split})
 
 
@@ -277,14 +280,14 @@ def _split_for(K: int, bk: int, split: int) -> int:
     return split
 
 
-def _launch(x, w, s, y, pmax, pidx, row_scale: bool, out_kind: int, cfg: GemvConfig) -> None:
+def _launch(x, w, s, y, pmax, pidx, scale_kind: int, out_kind: int, cfg: GemvConfig) -> None:
     T, K = x.shape
     N = w.shape[0]
     bk = min(cfg.bk, _pow2(K))
     assert 128 % (cfg.bn * cfg.rs) == 0, "bn * rs must divide the 128-row scale block"
     split = _split_for(K, bk, cfg.split) if out_kind in (0, 1) else 1
     grid = (triton.cdiv(N, cfg.bn * cfg.rs), split)
-    common = dict(T=T, N=N, K=K, BN=cfg.bn, RS=cfg.rs, BK=bk, UNROLL=cfg.unroll, ROW_SCALE=row_scale,
+    common = dict(T=T, N=N, K=K, BN=cfg.bn, RS=cfg.rs, BK=bk, UNROLL=cfg.unroll, SCALE=scale_kind,
                   SPLIT=split, PREFETCH=cfg.prefetch, ROW_ACC=cfg.row_acc, num_warps=cfg.warps)
     if split == 1:
         fp8_gemv_kernel[grid](x, w, s, y, pmax, pidx, OUT=out_kind, **common)
@@ -293,7 +296,7 @@ def _launch(x, w, s, y, pmax, pidx, row_scale: bool, out_kind: int, cfg: GemvCon
     fp8_gemv_kernel[grid](x, w, s, part, pmax, pidx, OUT=3, **common)
     block = 1024
     splitk_reduce_kernel[(triton.cdiv(T * N, block),)](part, s, y, TN=T * N, N=N, SPLIT=split,
-                                                        ROW_SCALE=row_scale, OUT_BF16=out_kind == 0,
+                                                        SCALE=scale_kind, OUT_BF16=out_kind == 0,
                                                         BLOCK=block, num_warps=4)
 
 
@@ -308,7 +311,7 @@ def fp8_block_gemv(
     if out is None:
         out = torch.empty(T, N, dtype=torch.bfloat16, device=x.device)
     assert out.shape == (T, N) and out.dtype == torch.bfloat16 and out.is_contiguous()
-    _launch(x, w, scale_inv, out, out, out, False, 0, config or gemv_config("block", T, N, K))
+    _launch(x, w, scale_inv, out, out, out, 0, 0, config or gemv_config("block", T, N, K))
     return out
 
 
@@ -322,8 +325,26 @@ def fp8_head_gemv(
     if out is None:
         out = torch.empty(T, V, dtype=torch.float32, device=x.device)
     assert out.shape == (T, V) and out.dtype == torch.float32 and out.is_contiguous()
-    _launch(x, w, scale, out, out, out, True, 1, config or gemv_config("head", T, V, H))
+    _launch(x, w, scale, out, out, out, 1, 1, config or gemv_config("head", T, V, H))
     return out
+
+
+def plain_gemv_partials(x: torch.Tensor, w: torch.Tensor, config: GemvConfig | None = None) -> torch.Tensor:
+    """x [T, K] bf16 @ w.T for a plain (fp32 or bf16) weight [N, K], summed in fp32, split over K:
+    returns the split-K partial sums [S, T, N] fp32 for the consumer to add up in order (the router
+    kernel does), so the logits cost one launch and no separate cast of x."""
+    T, K = x.shape
+    N = w.shape[0]
+    assert w.shape[1] == K and w.dtype in (torch.float32, torch.bfloat16) and w.is_contiguous()
+    assert x.dtype == torch.bfloat16 and x.is_contiguous() and 1 <= T <= 8
+    cfg = config or gemv_config("plain", T, N, K)
+    bk = min(cfg.bk, _pow2(K))
+    split = _split_for(K, bk, cfg.split)
+    part = torch.empty(split, T, N, dtype=torch.float32, device=x.device)
+    fp8_gemv_kernel[(triton.cdiv(N, cfg.bn * cfg.rs), split)](
+        x, w, w, part, part, part, T=T, N=N, K=K, BN=cfg.bn, RS=cfg.rs, BK=bk, UNROLL=cfg.unroll, SCALE=2,
+        SPLIT=split, PREFETCH=cfg.prefetch, ROW_ACC=cfg.row_acc, OUT=3, num_warps=cfg.warps)
+    return part
 
 
 def fp8_head_argmax_workspace(T: int, V: int, device, config: GemvConfig | None = None, H: int | None = None):
@@ -350,6 +371,6 @@ def fp8_head_argmax(
     if out is None:
         out = torch.empty(T, dtype=torch.int64, device=x.device)
     assert out.shape == (T,) and out.dtype == torch.int64
-    _launch(x, w, scale, out, pmax, pidx, True, 2, cfg)
+    _launch(x, w, scale, out, pmax, pidx, 1, 2, cfg)
     argmax_reduce_kernel[(T,)](pmax, pidx, out, NP=np_, BLOCK=min(4096, _pow2(np_)), num_warps=8)
     return out

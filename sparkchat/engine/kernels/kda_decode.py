@@ -1,10 +1,13 @@
 """A whole KDA layer core for decode/verify windows (T ≤ 8) in one Triton launch (the twin is nn.kda.kda_core).
 
-One program per head, holding the head's dk×dv fp32 state in registers for all T positions: causal conv
-update of the head's q|k|v channels, silu, L2 norms, gate, beta, delta-rule recurrence, gated output
-RMSNorm, and the in-place conv/recurrent state updates (plus, with keep_steps, the conv window and the
-per-position states a verify rolls back to). It rounds exactly where kda_core rounds: the conv output,
+One program per head (default), holding the head's dk×dv fp32 state in registers for all T positions:
+causal conv update of the head's q|k|v channels, silu, L2 norms, gate, beta, delta-rule recurrence, gated
+output RMSNorm, and the in-place conv/recurrent state updates (plus, with keep_steps, the conv window and
+the per-position states a verify rolls back to). It rounds exactly where kda_core rounds: the conv output,
 the gate and beta to the model dtype, o to the model dtype before the norm.
+
+dv_blocks > 1 spreads each head's value columns over that many programs (more SMs for the state's
+bytes); the head's last program to finish then applies the output norm, which needs the whole o.
 """
 
 from __future__ import annotations
@@ -115,11 +118,12 @@ def kda_decode_kernel(
     # every thread's reads of the old conv/recurrent values are done before any in-place write
     tl.debug_barrier()
     rn = tl.arange(0, KP)[:, None]
-    cdt = conv_ptr.dtype.element_ty  # exact: the rows hold values of the model dtype
-    tl.store(conv_ptr + rn * s_cv + (2 * D + c + j)[None, :] * s_cvc, nv.to(cdt), mask=rn < KC - 1)
+    cdt = conv_ptr.dtype.element_ty  # (the model dtype in the engine: then exact)
+    nq, nk, nv = _round(nq, cdt).to(cdt), _round(nk, cdt).to(cdt), _round(nv, cdt).to(cdt)
+    tl.store(conv_ptr + rn * s_cv + (2 * D + c + j)[None, :] * s_cvc, nv, mask=rn < KC - 1)
     if NB == 1:  # else the other programs of this head still read the old q/k state: the last one writes it
-        tl.store(conv_ptr + rn * s_cv + (c + i)[None, :] * s_cvc, nq.to(cdt), mask=rn < KC - 1)
-        tl.store(conv_ptr + rn * s_cv + (D + c + i)[None, :] * s_cvc, nk.to(cdt), mask=rn < KC - 1)
+        tl.store(conv_ptr + rn * s_cv + (c + i)[None, :] * s_cvc, nq, mask=rn < KC - 1)
+        tl.store(conv_ptr + rn * s_cv + (D + c + i)[None, :] * s_cvc, nk, mask=rn < KC - 1)
 
     # gate, beta and the output gate for all T positions at once, as small tiles
     t2 = tl.arange(0, TP)
@@ -166,8 +170,8 @@ def kda_decode_kernel(
         # makes every program's o columns visible, and all of them are past their old-state reads
         tl.debug_barrier()
         if tl.atomic_add(cnt_ptr + h, 1, sem="acq_rel", scope="gpu") == NB - 1:
-            tl.store(conv_ptr + rn * s_cv + (c + i)[None, :] * s_cvc, nq.to(cdt), mask=rn < KC - 1)
-            tl.store(conv_ptr + rn * s_cv + (D + c + i)[None, :] * s_cvc, nk.to(cdt), mask=rn < KC - 1)
+            tl.store(conv_ptr + rn * s_cv + (c + i)[None, :] * s_cvc, nq, mask=rn < KC - 1)
+            tl.store(conv_ptr + rn * s_cv + (D + c + i)[None, :] * s_cvc, nk, mask=rn < KC - 1)
             jj = tl.arange(0, DH)
             op = o_ptr + t2[:, None] * D + (c + jj)[None, :]
             O = tl.load(op, mask=tm, other=0.0, cache_modifier=".cg").to(tl.float32)

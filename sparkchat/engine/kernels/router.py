@@ -1,25 +1,33 @@
 """Group-limited top-k routing in one Triton program per token (the twin is nn.moe.route).
 
-The router logits come from one fp32 GEMV (cuBLAS); this kernel does everything after it — sigmoid,
-expert bias, each group's top-2 sum, the top groups, the top-k experts inside them, renormalization and
-scaling — in registers, replacing a dozen small launches (two sorts among them) per MoE layer.
+The router logits come from one split-K GEMV (`plain_gemv_partials`, fp32 sums of the bf16 input);
+this kernel adds its partials in a fixed order and does everything after — sigmoid, expert bias, each
+group's top-2 sum, the top groups, the top-k experts inside them, renormalization and scaling — in
+registers: two launches per MoE layer where the torch path takes a dozen (two sorts among them).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
 import triton.language as tl
 
+from sparkchat.engine.kernels.fp8_gemv import plain_gemv_partials
+
 
 @triton.jit
 def route_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, scaling,
                  E: tl.constexpr, G: tl.constexpr, TG: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
-                 RENORM: tl.constexpr):
+                 RENORM: tl.constexpr, T: tl.constexpr, SPLIT: tl.constexpr):
     t = tl.program_id(0)
     GS: tl.constexpr = E // G
     ar = tl.arange(0, E)
-    s = tl.sigmoid(tl.load(logits_ptr + t * E + ar))
+    logit = tl.load(logits_ptr + t * E + ar)
+    for p in tl.static_range(1, SPLIT):  # the GEMV's split-K partial sums, added in a fixed order
+        logit += tl.load(logits_ptr + (p * T + t) * E + ar)
+    s = tl.sigmoid(logit)
     c = s + tl.load(bias_ptr + ar)
     c2 = tl.reshape(c, (G, GS))
     cols = tl.arange(0, GS)[None, :]
@@ -48,15 +56,23 @@ def route_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, scaling,
     tl.store(w_ptr + t * K + kr, ws * scaling, mask=kr < K)
 
 
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
 def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, groups: int, top_groups: int, top_k: int,
           scaling: float, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Same signature and results as nn.moe.route: (ids [T, k] int64, weights [T, k] fp32)."""
     T, E = x.shape[0], weight.shape[0]
     assert E % groups == 0 and (E & (E - 1)) == 0 and (groups & (groups - 1)) == 0, "power-of-two E and groups"
     assert weight.dtype == torch.float32 and bias.dtype == torch.float32 and bias.shape == (E,)
-    logits = (x.float() @ weight.T).contiguous()
+    if T <= 8 and x.dtype == torch.bfloat16 and (x.is_cuda or _interpreting()):
+        logits = plain_gemv_partials(x.contiguous(), weight)  # [S, T, E]: summed below, in order
+    else:
+        logits = (x.float() @ weight.T).contiguous()[None]
     ids = torch.empty(T, top_k, dtype=torch.int64, device=x.device)
     w = torch.empty(T, top_k, dtype=torch.float32, device=x.device)
     route_kernel[(T,)](logits, bias, ids, w, float(scaling), E=E, G=groups, TG=top_groups, K=top_k,
-                       KP=triton.next_power_of_2(top_k), RENORM=renormalize, num_warps=4)
+                       KP=triton.next_power_of_2(top_k), RENORM=renormalize, T=T, SPLIT=logits.shape[0],
+                       num_warps=4)
     return ids, w
