@@ -322,11 +322,38 @@ def bench_router(rec: Recorder, sweep: bool) -> None:
     torch.cuda.empty_cache()
 
 
+def bench_kda(rec: Recorder, sweep: bool) -> None:
+    """One KDA layer's core (conv, norms, gate, recurrence, output norm): the fused kernel against the
+    torch.compile'd twin, at 32 heads x 128."""
+    import triton
+
+    from sparkchat.engine.kernels.kda_decode import kda_decode
+    from sparkchat.engine.nn import ops as opsmod
+    from tests.test_kda_kernel import make_inputs
+
+    opsmod.enable_compile()
+    heads, dh = 32, 128
+    for T, keep in ((1, False), (5, True)):
+        x, (conv, recur), w = make_inputs(T, heads, dh, 4, torch.bfloat16, "cuda")
+        args = (*x, conv, recur, *w, heads, dh, True, -5.0, 1e-6, keep, False)
+        fns = {"compiled torch twin": lambda: opsmod.ops.kda_core(*args)}
+        for nb in ((1, 2, 4) if sweep else (1,)):
+            for nw in ((4, 8) if sweep else (8,)):
+                fns[f"kernel dv_blocks={nb} warps={nw}"] = lambda nb=nb, nw=nw: kda_decode(*args, dv_blocks=nb, num_warps=nw)
+        state_bytes = heads * dh * dh * 4 * (2 + (T if keep else 0))
+        for name, fn in fns.items():
+            fn()
+            torch.cuda.synchronize()
+            us = triton.testing.do_bench_cudagraph(fn) * 1e3
+            rec.add(f"kda core T={T} keep_steps={keep}: {name}", us, state_bytes)
+    opsmod.disable_compile()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", default="bench_kernels.json")
     ap.add_argument("--sweep", action="store_true", help="also time a small list of block-size configs")
-    ap.add_argument("--only", choices=["moe", "fp8"], default=None)
+    ap.add_argument("--only", choices=["moe", "fp8", "kda"], default=None)
     args = ap.parse_args()
     import triton
     assert torch.cuda.is_available(), "needs a CUDA GPU"
@@ -345,6 +372,8 @@ def main() -> None:
     if args.only in (None, "fp8"):
         bench_fp8(rec, args.sweep)
         bench_router(rec, args.sweep)
+    if args.only in (None, "kda"):
+        bench_kda(rec, args.sweep)
     print(f"\n{'kernel':<46} {'us':>9} {'MB':>9} {'GB/s':>8} {'%read':>7}")
     for r in rec.rows:
         print(f"{r['name']:<46} {r['us']:9.2f} {r['MB']:9.2f} {r['GBps']:8.0f} {r['pct_read_bw']:7.1f}")

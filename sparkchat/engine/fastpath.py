@@ -4,6 +4,7 @@
 - routed MXFP4 experts → `mxfp4_moe` (reads only the selected experts' 4-bit weights);
 - the FP8 LM head → `fp8_head_gemv`;
 - the router's group-limited top-k → `route` (one program per token);
+- a KDA layer's core for decode/verify (conv, norms, gate, recurrence, output norm) → `kda_decode`;
 - MLA decode/verify attention → `mla_decode` (the latent cache read once per block for all heads).
 Each kernel has a pure-torch twin (the modules' own forward), which is what runs when a switch is off.
 """
@@ -26,7 +27,7 @@ def kernels_unavailable_reason(device: torch.device, dtype: torch.dtype) -> str 
     try:
         import triton  # noqa: F401
 
-        from sparkchat.engine.kernels import fp8_gemv, mla_decode, mxfp4_moe  # noqa: F401
+        from sparkchat.engine.kernels import fp8_gemv, kda_decode, mla_decode, mxfp4_moe  # noqa: F401
     except ImportError as e:
         return f"Triton is not importable: {e}"
     return None
@@ -93,10 +94,16 @@ def install(model, *, linears: bool, experts: bool, head: bool) -> None:
     gemv = _fp8_gemv() if linears else None
     for lin in model.linears():
         lin.fast = gemv if lin.is_fp8 and lin.weight.is_cuda else None
+    from sparkchat.engine.nn.kda import KimiDeltaAttention
     from sparkchat.engine.nn.mla import MultiLatentAttention
 
     attend = _mla_attend() if linears else None
+    kda_core = None
+    if linears:
+        from sparkchat.engine.kernels.kda_decode import kda_decode as kda_core
     for m in model.modules():
+        if isinstance(m, KimiDeltaAttention):
+            m.fast_core = kda_core if m.A_log.is_cuda else None
         if isinstance(m, MoE):
             m.fast_experts = ExpertsKernel(m.experts) if experts and m.experts.is_mxfp4 else None
         elif isinstance(m, MultiLatentAttention):

@@ -2,10 +2,14 @@
 
 The worker (a thread) pushes each event's text into a `StreamBuffer` (a lock and a list append) and
 posts a `StreamChunk` wake-up only when the buffer goes from drained to non-empty. The UI drains the
-buffer when it handles that message, at most once per `FLUSH_S`, taking everything that arrived
+buffer when it handles that message, when its `RenderPacer` allows, taking everything that arrived
 meanwhile. So the engine never waits on the UI, the UI's queue holds at most one wake-up per answer,
-a 1000 tok/s stream is still ~20 renders a second, and text that arrives just before the engine pauses
-is shown at once. The worker never touches widgets; it also saves the partial answer every `SAVE_S`.
+and text that arrives just before the engine pauses is shown at once. The worker never touches
+widgets; it also saves the partial answer every `SAVE_S`.
+
+The pacer holds the UI thread's CPU time to a budget while a CPU engine computes: every render (the
+answer's Markdown, a layout and a compositor pass) takes a core and the GIL from the engine's threads
+(docs/app-overhead.md), so the next render waits until the time the last one cost is within the budget.
 """
 
 from __future__ import annotations
@@ -22,18 +26,51 @@ from sparkchat.engine.events import GenerationStats, SamplingParams
 from sparkchat.ui.messages import StreamChunk, StreamDone
 
 FLUSH_S = 0.05  # the UI renders streamed text at most this often
-# ... and this often when the engine computes on the CPU: each render (a layout and a full compositor
-# pass, a few ms) then takes a core from the engine's threads; see docs/app-overhead.md
-FLUSH_CPU_S = 0.25
+# While the engine computes on the CPU, the UI thread may use this share of one core (renders and
+# everything else it does meanwhile): the next render waits until the CPU time spent since the previous
+# one is within it, however long or short the answer's renders are; see docs/app-overhead.md.
+CPU_RENDER_BUDGET = 0.02
+MAX_FLUSH_S = 1.0  # ... but the shown text is never older than this
 SAVE_S = 0.5  # how often the partial answer is written to the history
 MAX_RATE_SAMPLES = 600
 CANCEL_GRACE_EVENTS = 4  # events an engine may still yield after the cancel event before it is closed
 
 
-def flush_interval(engine: Any) -> float:
-    """How often to render an answer streamed by `engine`."""
+def render_budget(engine: Any) -> float | None:
+    """The UI thread's CPU budget while `engine` streams (a share of one core); None: no budget."""
     device = getattr(engine, "device", None)
-    return FLUSH_CPU_S if getattr(device, "type", None) == "cpu" else FLUSH_S
+    return CPU_RENDER_BUDGET if getattr(device, "type", None) == "cpu" else None
+
+
+class RenderPacer:
+    """When the UI may render streamed text next: at least `min_s` after the previous render, at most
+    `max_s`, and, with a `budget`, once the UI thread's CPU time since the previous render is no more
+    than `budget` of the time passed. Call `rendered()` on the UI thread as each render starts."""
+
+    def __init__(self, budget: float | None = None, *, min_s: float = FLUSH_S, max_s: float = MAX_FLUSH_S,
+                 clock: Callable[[], float] = time.monotonic,
+                 cpu_clock: Callable[[], float] = time.thread_time) -> None:
+        self.budget, self.min_s, self.max_s = budget, min_s, max_s
+        self.clock, self.cpu_clock = clock, cpu_clock
+        self.renders = 0
+        self._last: float | None = None
+        self._last_cpu = 0.0
+        self._gap = min_s
+
+    def wait(self) -> float:
+        """Seconds until the next render may start (0: now)."""
+        if self._last is None:
+            return 0.0
+        return max(0.0, self._last + self._gap - self.clock())
+
+    def rendered(self) -> None:
+        now, cpu = self.clock(), self.cpu_clock()
+        if self._last is not None and self.budget:
+            # what the UI thread spent since the previous render (that render's layout and compositor
+            # passes included) is what this one will cost: it must be spread over the time to the next
+            self._gap = min(max((cpu - self._last_cpu) / self.budget, self.min_s), self.max_s)
+        self._last, self._last_cpu = now, cpu
+        self.renders += 1
 
 
 class StreamBuffer:

@@ -2,12 +2,12 @@
 
 The engine runs in a thread worker (`_run_engine`, body in ui/streaming.py) that never touches widgets:
 it fills the answer's StreamBuffer and posts StreamChunk wake-ups and one StreamDone. This screen drains
-the buffer at most every FLUSH_S (FLUSH_CPU_S when the engine computes on the CPU). One answer at a time; Esc sets the answer's cancel event.
+the buffer when the answer's RenderPacer allows (at most every FLUSH_S; with a CPU engine, as often as
+the UI's CPU budget allows). One answer at a time; Esc sets the answer's cancel event.
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -26,7 +26,7 @@ from sparkchat.ui.format import code_blocks, switches_line, title_from
 from sparkchat.ui.messages import StreamChunk, StreamDone
 from sparkchat.ui.prefs import ChatSettings
 from sparkchat.ui.screens.dialogs import ConfirmScreen, TextPromptScreen, export_path_suggestion
-from sparkchat.ui.streaming import FLUSH_S, Job, RateMeter, flush_interval, run_job
+from sparkchat.ui.streaming import Job, RateMeter, RenderPacer, render_budget, run_job
 from sparkchat.ui.widgets.message import AssistantMessage, MessageView, UserMessage
 from sparkchat.ui.widgets.prompt import PromptInput
 from sparkchat.ui.widgets.sidebar import ConversationAction, HistorySidebar
@@ -42,11 +42,10 @@ class _Generation:
     job: Job
     view: AssistantMessage
     message_id: int
+    pacer: RenderPacer
     rates: RateMeter = field(default_factory=RateMeter)
-    last_drain: float = float("-inf")
     drain_timer: Timer | None = None
     stopping: bool = False
-    flush_s: float = FLUSH_S
 
 
 class ChatScreen(Screen[None]):
@@ -228,7 +227,7 @@ class ChatScreen(Screen[None]):
         job = Job(self._gen_counter, engine, messages, self.settings.sampling(), self.settings.thinking,
                   reset=self._reset_pending)
         self._reset_pending = False
-        self._gen = _Generation(job.gen_id, job, view, row.id, flush_s=flush_interval(engine))
+        self._gen = _Generation(job.gen_id, job, view, row.id, RenderPacer(render_budget(engine)))
         self.query_one(StatsBar).show_idle("prefill…")
         self.refresh_bindings()
         self._run_engine(job, row.id)
@@ -248,8 +247,8 @@ class ChatScreen(Screen[None]):
         gen = self._gen
         if gen is None or message.gen_id != gen.id or gen.drain_timer is not None:
             return
-        wait = gen.last_drain + gen.flush_s - time.monotonic()
-        if wait > 0:  # rendered less than flush_s ago: take what has come by then
+        wait = gen.pacer.wait()
+        if wait > 0:  # rendered a moment ago: take what has come by then
             gen.drain_timer = self.set_timer(wait, self._drain)
             return
         await self._drain()
@@ -260,7 +259,7 @@ class ChatScreen(Screen[None]):
         if gen is None:
             return
         gen.drain_timer = None
-        gen.last_drain = time.monotonic()
+        gen.pacer.rendered()
         text, stats = gen.job.buffer.take()
         await gen.view.feed(text)
         if stats is not None:

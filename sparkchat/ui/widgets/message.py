@@ -205,8 +205,13 @@ class AssistantMessage(MessageView):
         if think and not collapsible.display:
             collapsible.display = True
         collapsible.title = f"Reasoning… ({len(think):,} chars)" if think_open else "Reasoning"
-        await self._think.show(think)
+        if not collapsible.collapsed:  # folded reasoning is rendered when opened, or once at the end
+            await self._think.show(think)
         await self._answer.show(answer)
+
+    async def on_collapsible_expanded(self, event: Collapsible.Expanded) -> None:
+        if self._streaming:
+            await self._think.show(split_thinking(self.raw, final=False)[0])
 
     async def finish(self, text: str, stats: object, finish_reason: str, error: str | None = None) -> None:
         """The answer ended: render the whole text once, show the stats line."""
