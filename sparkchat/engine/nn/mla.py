@@ -16,7 +16,7 @@ from torch import nn
 
 from sparkchat.engine.nn.linear import FusedLinear, Linear, project
 from sparkchat.engine.nn.norm import RMSNorm
-from sparkchat.engine.nn.ops import ops, register
+from sparkchat.engine.nn.ops import ops, register, rms_norm
 from sparkchat.engine.nn.rope import RotaryEmbedding, apply_rope_interleaved
 
 
@@ -63,14 +63,10 @@ class MultiLatentAttention(nn.Module):
         T = x.shape[0]
         h = self.heads
         q, kv_a, g = project(self.fused, self.input_projections(), x)
-        q_nope, q_rope = q.reshape(T, h, self.nope + self.rope).split([self.nope, self.rope], dim=-1)
-        latent, k_rope = kv_a.split([self.rank, self.rope], dim=-1)
-        latent = self.kv_a_layernorm(latent)
-        cos, sin = rotary.cos[span.pos], rotary.sin[span.pos]
-        q_rope = apply_rope_interleaved(q_rope, cos, sin)
-        k_rope = apply_rope_interleaved(k_rope.unsqueeze(1), cos, sin).squeeze(1)
-        cache.latent.index_copy_(0, span.pos, latent)
-        cache.rope_key.index_copy_(0, span.pos, k_rope)
+        prepare = ops.mla_prepare if absorbed else mla_prepare  # prefill lengths vary: not compiled
+        norm = self.kv_a_layernorm
+        q_nope, q_rope, gate = prepare(q, kv_a, g, rotary.cos, rotary.sin, span.pos, cache.latent, cache.rope_key,
+                                       norm.weight, norm.eps, h, self.nope, self.rope, self.rank)
         end = span.attend
         C, KR = cache.latent[:end], cache.rope_key[:end]
         scale = self.softmax_scale * rotary.softmax_mscale
@@ -89,9 +85,29 @@ class MultiLatentAttention(nn.Module):
             qh = torch.cat([q_nope, q_rope], dim=-1).transpose(0, 1)  # [h, T, d]
             o = F.scaled_dot_product_attention(qh, k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask,
                                                scale=scale).transpose(0, 1)
-        gate = torch.sigmoid(g.float()).to(x.dtype)  # one gate per head
         o = o * gate.unsqueeze(-1)
         return self.dense(o.reshape(T, h * self.v_dim))
+
+
+@register
+def mla_prepare(q: torch.Tensor, kv_a: torch.Tensor, g: torch.Tensor, cos_table: torch.Tensor,
+                sin_table: torch.Tensor, pos: torch.Tensor, latent_cache: torch.Tensor, rope_cache: torch.Tensor,
+                norm_w: torch.Tensor, eps: float, heads: int, nope: int, rope: int,
+                rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Everything between the input projections and attention: split q, RMSNorm the latent, RoPE on
+    the query's and the shared key's rope dims, write the latent and rope key into the cache at `pos`,
+    and the per-head output gate. Returns (q_nope, q_rope [T, heads, ·], gate [T, heads])."""
+    T = q.shape[0]
+    q_nope, q_rope = q.reshape(T, heads, nope + rope).split([nope, rope], dim=-1)
+    latent, k_rope = kv_a.split([rank, rope], dim=-1)
+    latent = rms_norm(latent, norm_w, eps)
+    cos, sin = cos_table[pos], sin_table[pos]
+    q_rope = apply_rope_interleaved(q_rope, cos, sin)
+    k_rope = apply_rope_interleaved(k_rope.unsqueeze(1), cos, sin).squeeze(1)
+    latent_cache.index_copy_(0, pos, latent)
+    rope_cache.index_copy_(0, pos, k_rope)
+    gate = torch.sigmoid(g.float()).to(q.dtype)  # one gate per head
+    return q_nope, q_rope, gate
 
 
 @register
