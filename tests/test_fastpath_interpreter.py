@@ -1,4 +1,4 @@
-"""The engine's Triton fast path (FP8 GEMV, MXFP4 MoE, router kernels) against its reference path, run
+"""The engine's Triton fast path (FP8 GEMV, MXFP4 MoE, router, KDA and MLA decode kernels) against its reference path, run
 through Triton's CPU interpreter: the same kernels the GPU runs, checked without a GPU. Skipped where
 Triton is not installed (CPU-only CI)."""
 
@@ -39,9 +39,20 @@ ref = logits()
 gemv = fastpath._fp8_gemv()
 for lin in model.linears():
     lin.fast = gemv if lin.is_fp8 else None
+from sparkchat.engine.kernels.kda_decode import kda_decode
+from sparkchat.engine.kernels.mla_decode import mla_decode
+from sparkchat.engine.nn.kda import KimiDeltaAttention
+from sparkchat.engine.nn.mla import MultiLatentAttention
+from sparkchat.engine.kernels.fp8_gemv import fp8_block_gemv_swiglu
 for m in model.modules():
+    if isinstance(m, moe.MLP) and m.down_proj.is_fp8:
+        m.swiglu_down = fp8_block_gemv_swiglu
     if isinstance(m, moe.MoE):
         m.fast_experts = fastpath.ExpertsKernel(m.experts)
+    elif isinstance(m, KimiDeltaAttention):
+        m.fast_core = kda_decode
+    elif isinstance(m, MultiLatentAttention):
+        m.fast_attend = mla_decode
 from sparkchat.engine.kernels.router import route
 ops.route = route
 fast = logits()

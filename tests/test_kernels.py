@@ -198,6 +198,20 @@ def test_mxfp4_moe_int64_ids_and_defaults():
 
 
 @gpu
+@pytest.mark.parametrize("N,I,T", [(2560, 768, 1), (2560, 768, 4), (2560, 6144, 1), (200, 256, 2)])
+def test_fp8_block_gemv_swiglu_gpu(N, I, T):
+    from sparkchat.engine.kernels.fp8_gemv import fp8_block_gemv_swiglu
+    from sparkchat.engine.nn.moe import swiglu
+    gen = torch.Generator().manual_seed(N + I + T)
+    w, si = make_fp8(N, I, "cuda", gen)
+    gu = torch.randn(T, 2 * I, generator=gen).bfloat16().cuda()
+    for limit in (0.0, 7.0):
+        act = swiglu(gu[:, :I].float(), gu[:, I:].float(), limit).bfloat16()
+        got = fp8_block_gemv_swiglu(gu, I, limit, w, si)
+        assert rel_err(got, ref.fp8_block_gemv_reference(act, w, si)) < 1e-2
+
+
+@gpu
 def test_mxfp4_moe_fused_shared_add_rounds_like_torch():
     from sparkchat.engine.kernels.mxfp4_moe import mxfp4_moe
     gen = torch.Generator().manual_seed(5)
@@ -281,6 +295,15 @@ _INTERPRET_SCRIPT = textwrap.dedent("""
                 GemvConfig(bn=16, rs=1, bk=64, row_acc=True, prefetch=True)):
         got = fp8_block_gemv(xw, wide, wide_si, config=cfg)
         assert rel_err(got, ref.fp8_block_gemv_reference(xw, wide, wide_si)) < 1e-2, cfg
+    # the down projection reading its gate|up input and computing the clamped SwiGLU on the way in
+    from sparkchat.engine.kernels.fp8_gemv import fp8_block_gemv_swiglu
+    from sparkchat.engine.nn.moe import swiglu
+    wd, wd_si = make_fp8(72, 256, gen=gen)
+    gu = torch.randn(3, 640, generator=gen).bfloat16()
+    for limit, cfg in ((0.0, None), (0.7, GemvConfig(bn=8, rs=1, bk=128, split=2)), (0.7, GemvConfig(bn=8, bk=64, row_acc=True))):
+        act = swiglu(gu[:, :256].float(), gu[:, 384:640].float(), limit).bfloat16()
+        got = fp8_block_gemv_swiglu(gu, 384, limit, wd, wd_si, config=cfg)
+        assert rel_err(got, ref.fp8_block_gemv_reference(act, wd, wd_si)) < 1e-2, (limit, cfg)
     scale = torch.rand(200, generator=gen) + 0.5
     want = ref.fp8_head_gemv_reference(x, w, scale)
     assert rel_err(fp8_head_gemv(x, w, scale), want) < 1e-5

@@ -23,10 +23,14 @@ SCALE_BLOCK: tl.constexpr = tl.constexpr(128)
 @triton.jit
 def _gemv_loads(x_ptr, w_ptr, s_ptr, r0, k0, sub, kk, T: tl.constexpr, N: tl.constexpr, K: tl.constexpr,
                 KB: tl.constexpr, BN: tl.constexpr, RS: tl.constexpr, EVEN_N: tl.constexpr,
-                EVEN_K: tl.constexpr, SCALE: tl.constexpr):
+                EVEN_K: tl.constexpr, SCALE: tl.constexpr, XS: tl.constexpr, XU: tl.constexpr,
+                X_SWIGLU: tl.constexpr, lim):
     """Raw fp8 tiles [BN, BK] of the RS row tiles at k0, and each token's activation chunk [BK] in
     fp32, already multiplied by the block scale of its columns (block scales: the RS tiles sit in one
-    128-row scale block, so scaling the activations once replaces a multiply per weight)."""
+    128-row scale block, so scaling the activations once replaces a multiply per weight). With
+    X_SWIGLU, x rows hold [gate | up] (up at column XU) and the activation is the clamped SwiGLU of
+    the two, rounded to bf16 as the separate op would: an MLP's down projection then reads its
+    gate/up projection's output directly."""
     cols = k0 + kk
     kmask = cols < K
     ws = ()
@@ -45,9 +49,13 @@ def _gemv_loads(x_ptr, w_ptr, s_ptr, r0, k0, sub, kk, T: tl.constexpr, N: tl.con
     xs = ()
     for t in tl.static_range(T):
         if EVEN_K:
-            xv = tl.load(x_ptr + t * K + cols).to(tl.float32)
+            xv = tl.load(x_ptr + t * XS + cols).to(tl.float32)
         else:
-            xv = tl.load(x_ptr + t * K + cols, mask=kmask, other=0.0).to(tl.float32)
+            xv = tl.load(x_ptr + t * XS + cols, mask=kmask, other=0.0).to(tl.float32)
+        if X_SWIGLU:
+            up = tl.load(x_ptr + t * XS + XU + cols, mask=kmask, other=0.0).to(tl.float32)
+            a = tl.minimum(xv / (1.0 + tl.exp(-xv)), lim)
+            xv = (a * tl.minimum(tl.maximum(up, -lim), lim)).to(tl.bfloat16).to(tl.float32)
         if SCALE == 0:
             xv = xv * sc
         xs = xs + (xv,)
@@ -83,6 +91,10 @@ def fp8_gemv_kernel(
     SPLIT: tl.constexpr,  # programs along K (axis 1), each summing K / SPLIT columns
     PREFETCH: tl.constexpr,
     ROW_ACC: tl.constexpr,  # accumulate [BN] per token (reduce over k each step), not [BN, BK]
+    XS: tl.constexpr = 0,  # x row stride (0: K)
+    XU: tl.constexpr = 0,  # X_SWIGLU: column of the up half in each x row
+    X_SWIGLU: tl.constexpr = False,
+    lim=float("inf"),  # X_SWIGLU: the clamp (inf: none)
 ):
     """Rows [pid*RS*BN, +RS*BN) of y = x @ w.T for T tokens, over this program's share of K. The
     program holds RS row tiles of [BN, BK] fp8 per k step; each token's activation chunk is loaded
@@ -98,6 +110,7 @@ def fp8_gemv_kernel(
     EVEN_K: tl.constexpr = K % BK == 0
     EVEN_N: tl.constexpr = N % (RS * BN) == 0
     KB: tl.constexpr = (K + SCALE_BLOCK - 1) // SCALE_BLOCK
+    XSTRIDE: tl.constexpr = K if XS == 0 else XS
     accs = ()
     for i in tl.static_range(T * RS):
         if ROW_ACC:
@@ -108,12 +121,12 @@ def fp8_gemv_kernel(
         # Software-pipelined by one k step: step k+1's weights and activations are in flight while
         # step k multiplies (the last step re-reads its own chunk: cache hits).
         ws, xs = _gemv_loads(x_ptr, w_ptr, s_ptr, r0, k_lo, sub, kk, T, N, K, KB, BN, RS, EVEN_N, EVEN_K,
-                             SCALE)
+                             SCALE, XSTRIDE, XU, X_SWIGLU, lim)
         for kb in tl.range(0, KS, BK, loop_unroll_factor=UNROLL):
             k0 = k_lo + kb
             kn = k_lo + tl.minimum(kb + BK, (KS - 1) // BK * BK)
             ws_n, xs_n = _gemv_loads(x_ptr, w_ptr, s_ptr, r0, kn, sub, kk, T, N, K, KB, BN, RS, EVEN_N,
-                                     EVEN_K, SCALE)
+                                     EVEN_K, SCALE, XSTRIDE, XU, X_SWIGLU, lim)
             accs = _gemv_step(accs, ws, xs, T, RS, ROW_ACC)
             ws = ws_n
             xs = xs_n
@@ -121,7 +134,7 @@ def fp8_gemv_kernel(
         for kb in tl.range(0, KS, BK, loop_unroll_factor=UNROLL):
             k0 = k_lo + kb
             ws, xs = _gemv_loads(x_ptr, w_ptr, s_ptr, r0, k0, sub, kk, T, N, K, KB, BN, RS, EVEN_N, EVEN_K,
-                                 SCALE)
+                                 SCALE, XSTRIDE, XU, X_SWIGLU, lim)
             accs = _gemv_step(accs, ws, xs, T, RS, ROW_ACC)
     best_v = ()
     best_i = ()
@@ -280,15 +293,15 @@ def _split_for(K: int, bk: int, split: int) -> int:
     return split
 
 
-def _launch(x, w, s, y, pmax, pidx, scale_kind: int, out_kind: int, cfg: GemvConfig) -> None:
-    T, K = x.shape
-    N = w.shape[0]
+def _launch(x, w, s, y, pmax, pidx, scale_kind: int, out_kind: int, cfg: GemvConfig, **extra) -> None:
+    T = x.shape[0]
+    N, K = w.shape
     bk = min(cfg.bk, _pow2(K))
     assert 128 % (cfg.bn * cfg.rs) == 0, "bn * rs must divide the 128-row scale block"
     split = _split_for(K, bk, cfg.split) if out_kind in (0, 1) else 1
     grid = (triton.cdiv(N, cfg.bn * cfg.rs), split)
     common = dict(T=T, N=N, K=K, BN=cfg.bn, RS=cfg.rs, BK=bk, UNROLL=cfg.unroll, SCALE=scale_kind,
-                  SPLIT=split, PREFETCH=cfg.prefetch, ROW_ACC=cfg.row_acc, num_warps=cfg.warps)
+                  SPLIT=split, PREFETCH=cfg.prefetch, ROW_ACC=cfg.row_acc, num_warps=cfg.warps, **extra)
     if split == 1:
         fp8_gemv_kernel[grid](x, w, s, y, pmax, pidx, OUT=out_kind, **common)
         return
@@ -312,6 +325,26 @@ def fp8_block_gemv(
         out = torch.empty(T, N, dtype=torch.bfloat16, device=x.device)
     assert out.shape == (T, N) and out.dtype == torch.bfloat16 and out.is_contiguous()
     _launch(x, w, scale_inv, out, out, out, 0, 0, config or gemv_config("block", T, N, K))
+    return out
+
+
+def fp8_block_gemv_swiglu(
+    gate_up: torch.Tensor, up_offset: int, limit: float, w: torch.Tensor, scale_inv: torch.Tensor, *,
+    out: torch.Tensor | None = None, config: GemvConfig | None = None,
+) -> torch.Tensor:
+    """An MLP's down projection fed straight from its fused gate|up output: gate_up [T, ≥ up_offset + K]
+    bf16 (gate in columns 0..K-1, up from `up_offset`), w fp8 [N, K] -> bf16 [T, N] =
+    swiglu_limit(gate, up) @ w.T, the SwiGLU computed as the GEMV loads its activations."""
+    T = gate_up.shape[0]
+    N, K = w.shape
+    assert gate_up.dtype == torch.bfloat16 and gate_up.stride(1) == 1 and 1 <= T <= 8
+    assert up_offset >= K and gate_up.shape[1] >= up_offset + K
+    assert w.dtype == torch.float8_e4m3fn and w.is_contiguous() and scale_inv.is_contiguous()
+    if out is None:
+        out = torch.empty(T, N, dtype=torch.bfloat16, device=gate_up.device)
+    lim = float(limit) if limit > 0 else float("inf")
+    _launch(gate_up, w, scale_inv, out, out, out, 0, 0, config or gemv_config("block", T, N, K),
+            XS=gate_up.stride(0), XU=up_offset, X_SWIGLU=True, lim=lim)
     return out
 
 

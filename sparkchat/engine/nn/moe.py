@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sparkchat.engine.nn.linear import FusedLinear, Linear, project
+from sparkchat.engine.nn.linear import GEMV_MAX_TOKENS, FusedLinear, Linear, project
 from sparkchat.engine.nn.ops import ops, register
 
 
@@ -31,11 +31,19 @@ class MLP(nn.Module):
         self.down_proj = Linear(inter, hidden)
         self.limit = limit
         self.fused: FusedLinear | None = None  # gate|up in one weight, set at load time
+        # GPU path: callable(gate_up, up_offset, limit, w, scale_inv) -> down(swiglu(gate, up)) in one
+        # launch, the SwiGLU done as the down GEMV loads its input (set by fastpath.install)
+        self.swiglu_down = None
 
     def input_projections(self) -> list[Linear]:
         return [self.gate_proj, self.up_proj]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        down = self.down_proj
+        if (self.swiglu_down is not None and self.fused is not None and x.shape[0] <= GEMV_MAX_TOKENS
+                and down.is_fp8):
+            return self.swiglu_down(self.fused(x), self.fused.offsets[1], self.limit, down.weight,
+                                    down.weight_scale_inv)
         gate, up = project(self.fused, self.input_projections(), x)
         return self.down_proj(ops.swiglu(gate, up, self.limit))
 

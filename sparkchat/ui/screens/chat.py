@@ -27,7 +27,7 @@ from sparkchat.ui.messages import StreamChunk, StreamDone
 from sparkchat.ui.prefs import ChatSettings
 from sparkchat.ui.screens.dialogs import ConfirmScreen, TextPromptScreen, export_path_suggestion
 from sparkchat.ui.streaming import Job, RateMeter, RenderPacer, render_budget, run_job
-from sparkchat.ui.widgets.message import AssistantMessage, MessageView, UserMessage
+from sparkchat.ui.widgets.message import AssistantMessage, ChatLog, MessageView, UserMessage
 from sparkchat.ui.widgets.prompt import PromptInput
 from sparkchat.ui.widgets.sidebar import ConversationAction, HistorySidebar
 from sparkchat.ui.widgets.stats_bar import StatsBar
@@ -77,7 +77,7 @@ class ChatScreen(Screen[None]):
         with Horizontal(id="body"):
             yield HistorySidebar(id="sidebar")
             with Vertical(id="main"):
-                with VerticalScroll(id="log"):
+                with ChatLog(id="log"):
                     yield Static("", id="empty")
                 yield StatsBar(id="stats")
                 yield PromptInput(id="prompt", placeholder="Message Ling  (enter sends · ctrl+j new line · f1 keys)")
@@ -229,6 +229,8 @@ class ChatScreen(Screen[None]):
         self._reset_pending = False
         self._gen = _Generation(job.gen_id, job, view, row.id, RenderPacer(render_budget(engine)))
         self.query_one(StatsBar).show_idle("prefill…")
+        # a steady cursor while answering: each blink is a render, taken from a CPU engine's cores
+        self.query_one(PromptInput).cursor_blink = False
         self.refresh_bindings()
         self._run_engine(job, row.id)
 
@@ -272,6 +274,7 @@ class ChatScreen(Screen[None]):
         if gen is None or message.gen_id != gen.id:
             return
         self._gen = None
+        self.query_one(PromptInput).cursor_blink = True
         if gen.drain_timer is not None:
             gen.drain_timer.stop()
         gen.rates.update(message.stats)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from textual import events
 from textual.app import ComposeResult
 from textual.await_complete import AwaitComplete
 from textual.binding import Binding
-from textual.containers import Horizontal, Vertical
+from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.widget import Widget
 from textual.widgets import Collapsible, Label, Markdown, Static
 from textual.widgets.markdown import MarkdownFence, MarkdownStream
@@ -14,7 +16,20 @@ from textual.widgets.markdown import MarkdownFence, MarkdownStream
 from sparkchat.ui.format import code_blocks, split_thinking, summary_line
 
 
-class MessageView(Vertical):
+class SettlesInOnePass:
+    """Mixin for widgets in the chat log: no second layout pass when their size changes.
+
+    Textual lays the whole screen out again whenever a widget's virtual size changes, so that a
+    container can show or hide its scrollbars. A growing answer changes the virtual size of its
+    message, its Markdown and the log at each render, doubling the layout work per render, which on a
+    small CPU is taken from the engine (docs/app-overhead.md). These widgets do not scroll, and the log's
+    scrollbars request their own layout when they appear or go, so the first pass is all they need."""
+
+    def _size_updated(self, size: Any, virtual_size: Any, container_size: Any, layout: bool = True) -> bool:
+        return super()._size_updated(size, virtual_size, container_size, layout=False)  # type: ignore[misc]
+
+
+class MessageView(SettlesInOnePass, Vertical):
     """Focusable (Tab, click) so its keys apply: copy it, copy a code block, edit or regenerate."""
 
     can_focus = True
@@ -81,23 +96,21 @@ class UserMessage(MessageView):
         yield Static(self.raw, classes="body", markup=False)  # as typed: line breaks kept, no Markdown
 
 
-class ChatMarkdown(Markdown):
-    """Markdown whose last block carries the class `-last` (CSS drops its bottom margin).
+class ChatMarkdown(SettlesInOnePass, Markdown):
+    """Markdown whose last block, once the text is whole, carries the class `-last` (CSS drops its
+    bottom margin). A class, not a `:last-child` rule: Textual restyles every child that has an order
+    rule whenever a child is mounted, so such a rule makes each streamed block restyle all the blocks
+    before it. While text streams in (`append`) the mark is left alone: moving it costs a layout."""
 
-    A class, not a `:last-child` rule: Textual restyles every child that has an order rule whenever a
-    child is mounted, so such a rule makes each streamed block restyle all the blocks before it."""
+    BLOCKS = {name: type(block.__name__, (SettlesInOnePass, block), {}) for name, block in Markdown.BLOCKS.items()}
 
     def __init__(self, markdown: str | None = None, *, classes: str | None = None) -> None:
         super().__init__(markdown, classes=classes)
         self._last: Widget | None = None
 
     def update(self, markdown: str) -> AwaitComplete:
-        return self._then_mark(super().update(markdown))
+        pending = super().update(markdown)
 
-    def append(self, markdown: str) -> AwaitComplete:
-        return self._then_mark(super().append(markdown))
-
-    def _then_mark(self, pending: AwaitComplete) -> AwaitComplete:
         async def run() -> None:
             await pending
             self._mark_last()
@@ -113,6 +126,10 @@ class ChatMarkdown(Markdown):
         if last is not None:
             last.add_class("-last")
         self._last = last
+
+
+class ChatLog(SettlesInOnePass, VerticalScroll):
+    """The scrolling conversation."""
 
 
 class _Part:
