@@ -141,6 +141,9 @@ def format_table(r: dict) -> str:
         lines.append(f"verify ({r['verify_ms']:.2f} ms) ÷ decode step: {r['verify_decode_ratio']:.2f}×; "
                      f"draft step {r['draft_step_ms']:.2f} ms; accept length {r['accept_length']:.2f} "
                      f"({r['accept_length_source']})")
+        lines.append(f"verify of {r['draft_steps'] + 1} tokens: {r['verify_pct_read_bw']:.1f}% of read BW with random routing; "
+                     f"with half the experts repeated between neighbours {r['verify_correlated_ms']:.2f} ms = "
+                     f"{r['verify_correlated_decode_ratio']:.2f}× decode, {r['verify_correlated_pct_read_bw']:.1f}% of read BW")
     lines.append("* Spark: a projection, not a measurement — bytes per token at the DGX Spark's 234 GB/s "
                  "read bandwidth, times the efficiency measured here.")
     if r["prefill_ms_per_token"] is not None:

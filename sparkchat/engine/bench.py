@@ -4,6 +4,8 @@ baseline → +MXFP4 kernels → +FP8 head → +MTP — with TPOT, tok/s, bytes p
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -42,8 +44,15 @@ class BenchResult:
     graphs: bool
     rows: list[BenchRow] = field(default_factory=list)
     verify_decode_ratio: float | None = None
+    draft_steps: int = 0
     draft_step_ms: float | None = None
     verify_ms: float | None = None
+    verify_pct_read_bw: float | None = None  # bytes a verify reads and writes ÷ its time, vs read BW
+    # the same verify with routing that repeats half the experts between neighbouring tokens, as real
+    # models' routing does (synthetic weights route every token to fresh experts)
+    verify_correlated_ms: float | None = None
+    verify_correlated_decode_ratio: float | None = None
+    verify_correlated_pct_read_bw: float | None = None
     accept_length: float | None = None
     accept_length_source: str = ""
     first_step_s: float | None = None  # the first fast decode step: kernel compilation + graph capture
@@ -83,6 +92,50 @@ def decode_bytes(model: LingModel, context: int, fp8_head: bool) -> int:
     head = model.lm_head
     total += _tensor_bytes(head.fp8_weight, head.fp8_scale) if fp8_head else _tensor_bytes(head.weight)
     return total
+
+
+def verify_bytes(model: LingModel, context: int, tokens: int, distinct_experts: float) -> int:
+    """Bytes a verify of `tokens` reads and writes: a decode step's, plus the experts beyond one
+    token's 8 per MoE layer, plus each KDA layer's per-position states kept for rollback."""
+    cfg = model.cfg
+    moe = [m for m in model.modules() if isinstance(m, MoE) and m is not getattr(model.mtp, "mlp", None)]
+    ex = moe[0].experts if moe else None
+    per_expert = 0 if ex is None else _tensor_bytes(ex.w13[0], ex.w2[0], ex.w13_scale[0] if ex.is_mxfp4 else None,
+                                                    ex.w2_scale[0] if ex.is_mxfp4 else None)
+    kda_layers = sum(isinstance(m, KimiDeltaAttention) for m in model.modules())
+    kept = kda_layers * (tokens - 1) * cfg.num_attention_heads * cfg.head_dim ** 2 * 4
+    extra = max(0.0, distinct_experts - cfg.num_experts_per_tok) * per_expert * len(moe)
+    return int(decode_bytes(model, context, model.lm_head.use_fp8) + extra + kept)
+
+
+@contextmanager
+def correlated_routing():
+    """Route each token after the first to half of its predecessor's experts (its top half) plus
+    its own best experts not among them: the overlap real models' routing shows between
+    neighbouring tokens. Wraps whatever router is installed; graph-safe (no host sync)."""
+    from sparkchat.engine.nn.ops import ops
+
+    inner = ops.route
+
+    def route(x, *args):
+        ids, weights = inner(x, *args)
+        T, K = ids.shape
+        if T == 1:
+            return ids, weights
+        rows = [ids[0]]
+        for t in range(1, T):
+            keep = rows[-1][: K // 2]
+            own = ids[t]
+            dup = (own[:, None] == keep[None, :]).any(-1)
+            order = torch.sort(dup.to(torch.int8), stable=True).indices  # own experts not kept first
+            rows.append(torch.cat([keep, own[order][: K - K // 2]]))
+        return torch.stack(rows), weights
+
+    ops.route = route
+    try:
+        yield
+    finally:
+        ops.route = inner
 
 
 def measure_read_bandwidth(device: torch.device) -> float:
@@ -174,7 +227,7 @@ def run_bench(model: LingModel, *, context: int = 1024, iters: int = 20, draft_s
         say("+ MTP")
         _configure(model, True, True)
         dec = Decoder(model, state, _graphs(model, state) if use_graphs else None)
-        k = draft_steps
+        k = result.draft_steps = draft_steps
 
         def draft():
             state.mtp_length = state.length - 1  # one catch-up slot, as after a verify
@@ -187,6 +240,17 @@ def run_bench(model: LingModel, *, context: int = 1024, iters: int = 20, draft_s
         t_verify = _median_time(verify, device, iters)
         result.draft_step_ms, result.verify_ms = 1000 * t_draft / k, 1000 * t_verify
         result.verify_decode_ratio = t_verify / last
+        cfg = model.cfg
+        fresh = cfg.num_experts * (1 - (1 - cfg.num_experts_per_tok / cfg.num_experts) ** (k + 1))
+        result.verify_pct_read_bw = 100 * verify_bytes(model, context, k + 1, fresh) / t_verify / bw
+        with correlated_routing():
+            dec = Decoder(model, state, _graphs(model, state) if use_graphs else None)
+            t_corr = _median_time(verify, device, iters)
+        shared = cfg.num_experts_per_tok // 2
+        distinct = cfg.num_experts_per_tok + k * (cfg.num_experts_per_tok - shared)
+        result.verify_correlated_ms = 1000 * t_corr
+        result.verify_correlated_decode_ratio = t_corr / last
+        result.verify_correlated_pct_read_bw = 100 * verify_bytes(model, context, k + 1, distinct) / t_corr / bw
         al = accept_length if accept_length is not None else PUBLISHED_ACCEPT_LENGTH
         result.accept_length = al
         result.accept_length_source = "measured" if accept_length is not None else "assumed (NVIDIA's published 2.68)"

@@ -10,13 +10,16 @@ THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 FINISH_LABELS = {"stop": "done", "length": "max tokens", "cancelled": "stopped", "error": "error"}
 
 
-def split_thinking(raw: str, *, final: bool = True) -> tuple[str, str, bool]:
+def split_thinking(raw: str, *, final: bool = True, opened: bool = False) -> tuple[str, str, bool]:
     """Split a reply into (reasoning, answer, reasoning_still_open).
 
     Handles `<think>…</think>` at the start, and a bare `…</think>` when the chat template opened the
-    block in the prompt. While streaming (`final=False`), a trailing half tag is held back.
+    block in the prompt. While streaming (`final=False`), a trailing half tag is held back. `opened`:
+    the prompt is known to have opened the block, so text with no `</think>` yet is reasoning.
     """
     body = raw.lstrip()
+    if opened and not body.startswith(THINK_OPEN) and THINK_CLOSE not in raw:
+        return _hold(raw.lstrip("\n"), (THINK_CLOSE,), final), "", True
     if body.startswith(THINK_OPEN):
         inner = body[len(THINK_OPEN):]
         end = inner.find(THINK_CLOSE)
@@ -29,6 +32,19 @@ def split_thinking(raw: str, *, final: bool = True) -> tuple[str, str, bool]:
     if not final and THINK_OPEN.startswith(body) and body:
         return "", "", False  # may become "<think>"
     return "", _hold(raw, (THINK_CLOSE,), final), False
+
+
+def opens_reasoning(engine: Any) -> bool:
+    """Whether `engine`'s chat template opens the reasoning block in the prompt when thinking is on
+    (Ling's does), so that a reply starts inside it. False when it cannot tell (a remote engine)."""
+    render = getattr(getattr(engine, "tokenizer", None), "render", None)
+    if render is None:
+        return False
+    try:
+        prompt = render([{"role": "user", "content": "hi"}], add_generation_prompt=True, enable_thinking=True)
+    except Exception:
+        return False
+    return isinstance(prompt, str) and prompt.rstrip().endswith(THINK_OPEN)
 
 
 def _hold(text: str, tags: tuple[str, ...], final: bool) -> str:

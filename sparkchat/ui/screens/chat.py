@@ -22,7 +22,7 @@ from textual.widgets import Footer, Header, Static
 from textual.worker import get_current_worker
 
 from sparkchat.history import Conversation, Message
-from sparkchat.ui.format import code_blocks, switches_line, title_from
+from sparkchat.ui.format import code_blocks, opens_reasoning, switches_line, title_from
 from sparkchat.ui.messages import StreamChunk, StreamDone
 from sparkchat.ui.prefs import ChatSettings
 from sparkchat.ui.screens.dialogs import ConfirmScreen, TextPromptScreen, export_path_suggestion
@@ -221,7 +221,8 @@ class ChatScreen(Screen[None]):
         engine = self.app.engine
         messages = self._engine_messages()
         row = self.app.history.append(self.conversation.id, "assistant", "", status="streaming")
-        view = AssistantMessage(model=engine.name, message_id=row.id, streaming=True)
+        view = AssistantMessage(model=engine.name, message_id=row.id, streaming=True,
+                                reasoning_open=self.settings.thinking and opens_reasoning(engine))
         await self._mount_message(view)
         self._gen_counter += 1
         job = Job(self._gen_counter, engine, messages, self.settings.sampling(), self.settings.thinking,

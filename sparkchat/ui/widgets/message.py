@@ -169,36 +169,41 @@ class AssistantMessage(MessageView):
     BINDINGS = [Binding("r", "screen.regenerate", "Regenerate")]
 
     def __init__(self, text: str = "", *, model: str = "Ling", message_id: int | None = None,
-                 stats: object | None = None, finish_reason: str | None = None, streaming: bool = False) -> None:
+                 stats: object | None = None, finish_reason: str | None = None, streaming: bool = False,
+                 reasoning_open: bool = False) -> None:
         super().__init__(text, message_id=message_id, classes="-streaming" if streaming else "")
         self.model = model
         self.stats = stats
         self.finish_reason = finish_reason
         self.error: str | None = None
         self._streaming = streaming
+        self._reasoning_open = reasoning_open and streaming  # the prompt opened <think>: replies start in it
+
+    def _split(self) -> tuple[str, str, bool]:
+        return split_thinking(self.raw, final=not self._streaming, opened=self._reasoning_open)
 
     def compose(self) -> ComposeResult:
-        think, answer, _ = split_thinking(self.raw, final=not self._streaming)
+        think, answer, think_open = self._split()
         yield self.header(self.model)
-        with Collapsible(title="Reasoning", collapsed=True, classes="thinking"):
+        with Collapsible(title=self._reasoning_title(think, think_open), collapsed=True, classes="thinking"):
             yield ChatMarkdown(think, classes="thinking-body")
         yield ChatMarkdown(answer, classes="body")
         yield Static(self._summary_text(), classes="summary", markup=False)
 
     def on_mount(self) -> None:
-        think, _, _ = split_thinking(self.raw, final=not self._streaming)
-        self.query_one(".thinking").display = bool(think)
+        think, answer, think_open = self._split()
+        self.query_one(".thinking").display = bool(think) or think_open
         self._think = _Part(self.query_one(".thinking-body", Markdown))
         self._answer = _Part(self.query_one(".body", Markdown))
-        self._think.written, self._answer.written = think, split_thinking(self.raw)[1]
+        self._think.written, self._answer.written = think, answer
 
     @property
     def answer(self) -> str:
-        return split_thinking(self.raw)[1]
+        return split_thinking(self.raw, opened=self._reasoning_open)[1]
 
     @property
     def thinking(self) -> str:
-        return split_thinking(self.raw)[0]
+        return split_thinking(self.raw, opened=self._reasoning_open)[0]
 
     def copy_text(self) -> str:
         return self.answer
@@ -212,27 +217,34 @@ class AssistantMessage(MessageView):
             return FINISH_NOTE.get(self.finish_reason or "", "")
         return summary_line(self.stats, self.finish_reason)
 
+    @staticmethod
+    def _reasoning_title(think: str, think_open: bool) -> str:
+        if not think_open:
+            return "Reasoning"
+        return f"Reasoning… ({len(think):,} chars)" if think else "Reasoning…"
+
     async def feed(self, delta: str) -> None:
         """Add streamed text (reasoning and answer are routed apart as tags arrive)."""
         if not delta:
             return
         self.raw += delta
-        think, answer, think_open = split_thinking(self.raw, final=False)
+        think, answer, think_open = self._split()
         collapsible = self.query_one(".thinking", Collapsible)
         if think and not collapsible.display:
             collapsible.display = True
-        collapsible.title = f"Reasoning… ({len(think):,} chars)" if think_open else "Reasoning"
+        collapsible.title = self._reasoning_title(think, think_open)
         if not collapsible.collapsed:  # folded reasoning is rendered when opened, or once at the end
             await self._think.show(think)
         await self._answer.show(answer)
 
     async def on_collapsible_expanded(self, event: Collapsible.Expanded) -> None:
         if self._streaming:
-            await self._think.show(split_thinking(self.raw, final=False)[0])
+            await self._think.show(self._split()[0])
 
     async def finish(self, text: str, stats: object, finish_reason: str, error: str | None = None) -> None:
         """The answer ended: render the whole text once, show the stats line."""
         self.raw, self.stats, self.finish_reason, self.error = text, stats, finish_reason, error
+        self._reasoning_open = False  # whole now: split as the history will (a reply stopped mid-reasoning is all answer)
         think, answer, _ = split_thinking(text)
         collapsible = self.query_one(".thinking", Collapsible)
         collapsible.display = bool(think)
