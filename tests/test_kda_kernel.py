@@ -58,7 +58,7 @@ def make_inputs(T, heads, head_dim, K, dtype, device, seed=0):
     return [q, k, v, f, beta_logit, og], (conv, rec), weights
 
 
-def compare(case, device, *, seed=0, perturb=None) -> list[str]:
+def compare(case, device, *, seed=0, perturb=None, fold=False) -> list[str]:
     """Kernel vs twin on one case: the list of mismatches (empty: they agree). perturb names one input
     the kernel alone gets nudged: 'gate' (one f element), 'beta' (one logit), 'norm' (one norm weight)."""
     from sparkchat.engine.kernels.kda_decode import _COUNTERS, kda_decode
@@ -67,6 +67,13 @@ def compare(case, device, *, seed=0, perturb=None) -> list[str]:
     T, H, DH, safe, keep, nb, K, dtype = case
     x, (conv, rec), (cw, alog, dtb, onw) = make_inputs(T, H, DH, K, dtype, device, seed)
     lb = -5.0 if safe else 5.0
+    extra = {}
+    if fold:  # the kernel computes beta's logits from the layer input and b_proj's weight
+        gen = torch.Generator().manual_seed(seed + 7)
+        bx = torch.randn(T, 96, generator=gen).to(dtype).to(device)
+        bw = (torch.randn(H, 96, generator=gen) * 0.2).to(dtype).to(device)
+        x[4] = torch.nn.functional.linear(bx, bw)
+        extra = {"beta_x": bx, "beta_w": bw}
     c1, r1 = conv.clone(), rec.clone()
     o1, w1, s1 = kda_core(*x, c1, r1, cw, alog, dtb, onw, H, DH, safe, lb, 1e-6, keep, False)
     if perturb == "gate":
@@ -79,7 +86,10 @@ def compare(case, device, *, seed=0, perturb=None) -> list[str]:
         onw = onw.clone()
         onw[3] *= 1.05
     c2, r2 = conv.clone(), rec.clone()
-    o2, w2, s2 = kda_decode(*x, c2, r2, cw, alog, dtb, onw, H, DH, safe, lb, 1e-6, keep, False, dv_blocks=nb)
+    if fold:
+        x = x[:4] + [None] + x[5:]
+    o2, w2, s2 = kda_decode(*x, c2, r2, cw, alog, dtb, onw, H, DH, safe, lb, 1e-6, keep, False, dv_blocks=nb,
+                            **extra)
 
     bad = []
     strict = device == "cpu" or dtype == torch.float32
@@ -120,6 +130,9 @@ def run_all(device: str, real: bool = True) -> None:
     for case in CASES + (REAL if real else []):
         bad = compare(case, device)
         assert not bad, (case, bad)
+    for case in (CASES[0], CASES[2]):  # beta's logits computed in the kernel
+        bad = compare(case, device, fold=True)
+        assert not bad, (case, "fold", bad)
     # the check has teeth: the kernel fed a nudged gate input, beta or norm weight must not pass
     for perturb, case in (("gate", CASES[4]), ("beta", CASES[2]), ("norm", CASES[0])):
         assert compare(case, device, perturb=perturb), f"a perturbed {perturb} went unnoticed"
@@ -147,9 +160,10 @@ def run_model(path: str) -> None:
     model = load_model(path, cfg, "cpu", torch.bfloat16, 64)
     seen = []
 
-    def core(*args):
+    def core(*args, **kwargs):
         seen.append(args[0].shape[0])
-        return kda_decode(*args)
+        assert args[4] is None and "beta_x" in kwargs  # beta's logits folded into the kernel
+        return kda_decode(*args, **kwargs)
 
     def run(fast: bool):
         for m in model.modules():

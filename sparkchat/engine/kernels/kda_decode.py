@@ -92,6 +92,8 @@ def kda_decode_kernel(
     q_scale, lower_bound, eps,
     T: tl.constexpr, H: tl.constexpr, DH: tl.constexpr, KC: tl.constexpr, NB: tl.constexpr,
     TP: tl.constexpr, WP: tl.constexpr, KP: tl.constexpr, SAFE_GATE: tl.constexpr, KEEP: tl.constexpr,
+    bx_ptr=None, bw_ptr=None,  # FOLD_B: the layer input [T, HID] and b_proj's weight [H, HID], contiguous
+    FOLD_B: tl.constexpr = False, HID: tl.constexpr = 1, BKH: tl.constexpr = 1,
 ):
     """Program (h, b): head h, value columns [b*DH/NB, (b+1)*DH/NB) of its state (the delta rule never
     mixes value columns). The output norm needs the head's whole o: with NB > 1 each program stores its
@@ -136,8 +138,20 @@ def kda_decode_kernel(
     else:
         G = -rate * tl.where(f > 20.0, f, _log1p(tl.exp(tl.minimum(f, 20.0))))  # softplus, torch's threshold
     G = _round(G, dtype)  # the twin rounds the gate to the model dtype
-    bl = tl.load(b_ptr + t2 * s_b + h * s_bc, mask=t2 < T, other=0.0)
-    B = _round(tl.sigmoid(bl.to(tl.float32)), bl.dtype)  # sigmoid in beta_logit's dtype
+    if FOLD_B:
+        # beta's logit is one row of b_proj per head: computed here rather than by a separate GEMV
+        # launch, rounded to the model dtype as the linear's output would be
+        acc = tl.zeros([TP], dtype=tl.float32)
+        for k0 in tl.static_range(0, HID, BKH):
+            kk = k0 + tl.arange(0, BKH)
+            km = kk < HID
+            xw = tl.load(bx_ptr + t2[:, None] * HID + kk[None, :], mask=(t2 < T)[:, None] & km[None, :], other=0.0)
+            wv = tl.load(bw_ptr + h * HID + kk, mask=km, other=0.0)
+            acc += tl.sum(xw.to(tl.float32) * wv.to(tl.float32)[None, :], axis=1)
+        B = _round(tl.sigmoid(_round(acc, dtype)), dtype)
+    else:
+        bl = tl.load(b_ptr + t2 * s_b + h * s_bc, mask=t2 < T, other=0.0)
+        B = _round(tl.sigmoid(bl.to(tl.float32)), bl.dtype)  # sigmoid in beta_logit's dtype
     odt = o_ptr.dtype.element_ty
     if NB == 1:
         og = tl.load(og_ptr + t2[:, None] * s_og + (c + j)[None, :] * s_ogc, mask=tm, other=0.0).to(tl.float32)
@@ -198,17 +212,28 @@ def kda_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tenso
                out_gate: torch.Tensor, conv_state: torch.Tensor, recurrent: torch.Tensor, conv_w: torch.Tensor,
                A_log: torch.Tensor, dt_bias: torch.Tensor, o_norm_w: torch.Tensor, heads: int, head_dim: int,
                safe_gate: bool, lower_bound: float, eps: float, keep_steps: bool, chunked: bool, *,
-               dv_blocks: int = 1, num_warps: int = 8) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+               dv_blocks: int = 1, num_warps: int = 8, beta_x: torch.Tensor | None = None,
+               beta_w: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """kda_core's signature and results, in one launch for T ≤ MAX_TOKENS (else, or chunked, the twin).
-    dv_blocks > 1 splits each head's value columns over that many programs (heads × dv_blocks of them)."""
+    dv_blocks > 1 splits each head's value columns over that many programs (heads × dv_blocks of them).
+    With beta_x (the layer's input [T, HID]) and beta_w (b_proj's plain weight [heads, HID]) and
+    beta_logit None, the kernel computes beta's logits itself."""
     T, D = q.shape
     K = conv_w.shape[1]
+    if beta_logit is None:
+        assert beta_x is not None and beta_w is not None
+        fold = dict(bx_ptr=beta_x.contiguous(), bw_ptr=beta_w.contiguous(), FOLD_B=True, HID=beta_x.shape[1],
+                    BKH=min(512, triton.next_power_of_2(beta_x.shape[1])))
+    else:
+        fold = {}
     if (chunked or T > MAX_TOKENS or head_dim & (head_dim - 1) or head_dim % dv_blocks
             or not recurrent.is_contiguous()):
         from sparkchat.engine.nn.kda import kda_core
         from sparkchat.engine.nn.ops import ops
 
         core = ops.kda_core if ops.kda_core is not kda_decode else kda_core
+        if beta_logit is None:
+            beta_logit = torch.nn.functional.linear(beta_x, beta_w)
         return core(q, k, v, f, beta_logit, out_gate, conv_state, recurrent, conv_w, A_log, dt_bias, o_norm_w,
                     heads, head_dim, safe_gate, lower_bound, eps, keep_steps, chunked)
     assert D == heads * head_dim and recurrent.dtype == torch.float32 and conv_state.shape == (K - 1, 3 * D)
@@ -218,14 +243,15 @@ def kda_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tenso
     steps = (torch.empty(T, heads, head_dim, head_dim, dtype=torch.float32, device=q.device) if keep_steps
              else None)
     cnt = _counters(q.device, heads) if dv_blocks > 1 else o
+    b = beta_logit if beta_logit is not None else o  # (unread when folded)
     kda_decode_kernel[(heads, dv_blocks)](
-        q, k, v, f, beta_logit, out_gate, conv_state, recurrent, conv_w, A_log, dt_bias, o_norm_w,
+        q, k, v, f, b, out_gate, conv_state, recurrent, conv_w, A_log, dt_bias, o_norm_w,
         o, window, steps if keep_steps else o, cnt,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), f.stride(0), f.stride(1),
-        beta_logit.stride(0), beta_logit.stride(1), out_gate.stride(0), out_gate.stride(1),
+        b.stride(0), b.stride(1), out_gate.stride(0), out_gate.stride(1),
         conv_state.stride(0), conv_state.stride(1), conv_w.stride(0), conv_w.stride(1),
         float(head_dim ** -0.5), float(lower_bound), float(eps),
         T=T, H=heads, DH=head_dim, KC=K, NB=dv_blocks, TP=triton.next_power_of_2(T),
         WP=triton.next_power_of_2(K - 1 + T), KP=triton.next_power_of_2(K - 1), SAFE_GATE=bool(safe_gate),
-        KEEP=bool(keep_steps), num_warps=num_warps)
+        KEEP=bool(keep_steps), num_warps=num_warps, **fold)
     return o, window, steps

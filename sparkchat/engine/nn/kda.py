@@ -105,7 +105,8 @@ class KimiDeltaAttention(nn.Module):
         self.dt_bias = nn.Parameter(torch.zeros(D), requires_grad=False)
         self.o_norm_weight = nn.Parameter(torch.ones(head_dim), requires_grad=False)
         self.fused: FusedLinear | None = None  # q|k|v|f|g in one weight, set at load time
-        self.fast_core: Callable | None = None  # kda_core's signature: decode/verify steps (fastpath sets it)
+        # kda_core's signature, plus beta_x/beta_w keywords to compute beta itself (fastpath sets it)
+        self.fast_core: Callable | None = None
 
     def input_projections(self) -> list[Linear]:
         return [self.q_proj, self.k_proj, self.v_proj, self.f_proj, self.g_proj]
@@ -117,10 +118,13 @@ class KimiDeltaAttention(nn.Module):
             core = kda_core if not keep_steps else ops.kda_core  # prefill lengths vary: not compiled
         else:
             core = self.fast_core if self.fast_core is not None else ops.kda_core
-        o, window, rec_steps = core(q, k, v, f, self.b_proj(x), out_gate, state.conv,
+        # the fused kernel computes beta's logits from x and b_proj's (plain) weight itself
+        fold = core is self.fast_core and not self.b_proj.is_fp8 and self.b_proj.weight.dtype == x.dtype
+        extra = {"beta_x": x, "beta_w": self.b_proj.weight} if fold else {}
+        o, window, rec_steps = core(q, k, v, f, None if fold else self.b_proj(x), out_gate, state.conv,
                                     state.recurrent, self.conv_weight, self.A_log, self.dt_bias,
                                     self.o_norm_weight, self.heads, self.head_dim, self.safe_gate,
-                                    self.lower_bound, self.eps, keep_steps, chunked and not keep_steps)
+                                    self.lower_bound, self.eps, keep_steps, chunked and not keep_steps, **extra)
         return self.o_proj(o), (KDASteps(window, rec_steps) if keep_steps else None)
 
 
