@@ -6,7 +6,8 @@
 Each round runs `sparkchat ask --json` and then the app (headless, driven by a Pilot, with run_app's own
 process settings), each in a fresh process so both start cold, and reads the decode tok/s the engine
 reports. Rounds alternate, so both see the same machine; the overhead is the median over rounds of
-1 - app/ask. On a shared machine a
+1 - app/ask. It also reports the share of a core the app's UI thread used while answering (median),
+a figure the machine's noise hardly moves. On a shared machine a
 run is started only once other processes are quiet, and done again if they took CPU meanwhile.
 """
 
@@ -125,11 +126,13 @@ async def drive_app(model: Path, args: argparse.Namespace) -> dict:
             prompt = chat.query_one(PromptInput)
             prompt.focus()
             prompt.text = PROMPT
+            wall0, cpu0 = time.monotonic(), time.thread_time()  # this is the UI thread
             await pilot.press("enter")
             while chat.conversation is None or chat.generating:
                 await asyncio.sleep(0.1)  # not pilot.pause: the harness must not add work to the UI thread
+            ui_cores = (time.thread_time() - cpu0) / (time.monotonic() - wall0)
             conv = history.list()[0]
-            stats = history.messages(conv.id)[-1].stats
+            stats = dict(history.messages(conv.id)[-1].stats, ui_cores=ui_cores)
     history.close()
     return stats
 
@@ -170,8 +173,10 @@ def main() -> None:
     # paired: each round's app run against the ask run just before it (the machine's speed drifts)
     ratios = [app["decode_tok_s"] / ask["decode_tok_s"] for ask, app in zip(results["ask"], results["app"])]
     overhead = 100 * (1 - statistics.median(ratios))
+    ui = statistics.median(s["ui_cores"] for s in results["app"])
     print(json.dumps({"model": str(model), "device": args.device, "mtp": args.mtp, "runs": args.runs,
                       "max_tokens": args.max_tokens, "tokens": tokens, "median_decode_tok_s": med,
+                      "app_ui_thread_cores": round(ui, 4),
                       "all_decode_tok_s": {k: [round(s["decode_tok_s"], 1) for s in v] for k, v in results.items()},
                       "overhead_pct": round(overhead, 1)}, indent=1))
 

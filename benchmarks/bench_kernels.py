@@ -209,10 +209,10 @@ BLOCK_SHAPES = [
 
 
 def gemv_candidates(kind: str, T: int, N: int, K: int, sweep: bool):
-    from sparkchat.engine.kernels.fp8_gemv import GemvConfig, gemv_config
+    from sparkchat.engine.kernels.fp8_gemv import _TUNED, GemvConfig, gemv_config
 
-    base = [gemv_config(kind, T, N, K) if kind == "block" else gemv_config(kind, T)]
-    if not sweep:
+    base = [gemv_config(kind, T, N, K)]
+    if not sweep or (kind, T, N, K) in _TUNED and T == 1:  # one-token shapes: already swept (docs)
         return base
     rows = max(1, N // 128)
     wide = [GemvConfig(bn=64, rs=1, bk=128, unroll=1, warps=8), GemvConfig(bn=32, rs=1, bk=256, unroll=1, warps=8),
