@@ -2,6 +2,7 @@
 
     python benchmarks/app_overhead.py                       # builds a small CPU model once, 5 rounds
     python benchmarks/app_overhead.py --model DIR --runs 7 --max-tokens 128 --device cpu
+    python benchmarks/app_overhead.py --model DIR --runs 15 --in-process   # the streaming UI's cost alone
 
 Each round runs `sparkchat ask --json` and then the app (headless, driven by a Pilot, with run_app's own
 process settings), each in a fresh process so both start cold, and reads the decode tok/s the engine
@@ -137,6 +138,68 @@ async def drive_app(model: Path, args: argparse.Namespace) -> dict:
     return stats
 
 
+async def drive_in_process(model: Path, args: argparse.Namespace) -> dict:
+    """`--in-process`: per round, one answer without the UI and one through it, same engine, same thread."""
+    from sparkchat.engine.events import Switches
+    from sparkchat.history import History
+    from sparkchat.ui.app import SparkchatApp, engine_loader, engine_thread_settings
+    from sparkchat.ui.prefs import ChatSettings
+    from sparkchat.ui.widgets.prompt import PromptInput
+
+    history = History(Path(os.environ["SPARKCHAT_DATA_DIR"]) / "history.db")
+    settings = ChatSettings(max_tokens=args.max_tokens, thinking=True)
+    messages = [{"role": "user", "content": PROMPT}]
+    results: dict[str, list[dict]] = {"ask": [], "app": []}
+    with engine_thread_settings():
+        app = SparkchatApp(engine_factory=engine_loader(model, device=args.device), history=history,
+                           model_label=model.name)
+        app.prefs.chat = settings
+        fast = fast_paths(args.device)
+        app.prefs.switches = Switches(mtp=args.mtp, draft_steps=3, fp8_head=fast, mxfp4_kernels=fast, cuda_graphs=fast)
+        async with app.run_test(size=(120, 40)) as pilot:
+            while app.engine is None:
+                if app.engine_status == "failed":
+                    raise SystemExit(app.engine_error)
+                await pilot.pause(0.05)
+            engine, chat = app.engine, app.chat_screen
+            prompt = chat.query_one(PromptInput)
+
+            def headless() -> dict:  # what `ask` does, on the same engine thread
+                engine.reset()
+                last = None
+                for last in engine.generate(messages, settings.sampling(), enable_thinking=True):
+                    pass
+                return last.stats.to_dict()
+
+            async def without_ui() -> dict:
+                return await asyncio.to_thread(app.on_engine_thread, headless)  # the UI loop idles meanwhile
+
+            async def with_ui() -> dict:
+                await pilot.press("ctrl+n")  # a new conversation: the same prompt, all of it prefilled
+                while chat.conversation is not None:  # (the key waits its turn after the last answer's end)
+                    await asyncio.sleep(0.05)
+                prompt.focus()
+                prompt.text = PROMPT
+                wall0, cpu0 = time.monotonic(), time.thread_time()
+                await pilot.press("enter")
+                while chat.generating or prompt.text:
+                    await asyncio.sleep(0.1)
+                ui_cores = (time.thread_time() - cpu0) / (time.monotonic() - wall0)
+                return dict(history.messages(chat.conversation.id)[-1].stats, ui_cores=ui_cores)
+
+            await without_ui()  # warm-up: first-use costs go to neither side
+            await with_ui()
+            for i in range(args.runs):
+                order = (("ask", without_ui), ("app", with_ui)) if i % 2 == 0 else (("app", with_ui), ("ask", without_ui))
+                for name, fn in order:
+                    stats = await fn()
+                    results[name].append(stats)
+                    print(f"round {i + 1} {name}: {stats['decode_tok_s']:.1f} tok/s, {stats['generated_tokens']} tokens",
+                          file=sys.stderr)
+    history.close()
+    return results
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", help="model directory (default: a small random one, built once)")
@@ -147,6 +210,8 @@ def main() -> None:
     p.add_argument("--quiet", type=float, default=0.1,
                    help="redo a run when other processes used more than this many cores meanwhile (0.1)")
     p.add_argument("--retries", type=int, default=5, help="redos per run at most (5)")
+    p.add_argument("--in-process", action="store_true",
+                   help="both sides in one process with one engine, alternating (the UI's streaming cost alone)")
     p.add_argument("--app-once", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     model = Path(args.model) if args.model else build_model(MODEL_CACHE)
@@ -154,6 +219,17 @@ def main() -> None:
         print(json.dumps(asyncio.run(drive_app(model, args))))
         return
     results: dict[str, list[dict]] = {"ask": [], "app": []}
+    if args.in_process:
+        with tempfile.TemporaryDirectory() as tmp:
+            os.environ.update(SPARKCHAT_CONFIG_DIR=f"{tmp}/config", SPARKCHAT_DATA_DIR=f"{tmp}/data")
+            wait_until_quiet(args.quiet)
+            results = asyncio.run(drive_in_process(model, args))
+    else:
+        _separate_processes(model, args, results)
+    report(model, args, results)
+
+
+def _separate_processes(model: Path, args: argparse.Namespace, results: dict[str, list[dict]]) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(args.runs):
             for name, fn in (("ask", run_ask), ("app", run_app_once)):
@@ -168,6 +244,9 @@ def main() -> None:
                     if others < args.quiet:
                         break
                 results[name].append(stats)
+
+
+def report(model: Path, args: argparse.Namespace, results: dict[str, list[dict]]) -> None:
     med = {k: statistics.median(s["decode_tok_s"] for s in v) for k, v in results.items()}
     tokens = {k: sorted({s["generated_tokens"] for s in v}) for k, v in results.items()}
     # paired: each round's app run against the ask run just before it (the machine's speed drifts)
@@ -175,6 +254,7 @@ def main() -> None:
     overhead = 100 * (1 - statistics.median(ratios))
     ui = statistics.median(s["ui_cores"] for s in results["app"])
     print(json.dumps({"model": str(model), "device": args.device, "mtp": args.mtp, "runs": args.runs,
+                      "in_process": args.in_process,
                       "max_tokens": args.max_tokens, "tokens": tokens, "median_decode_tok_s": med,
                       "app_ui_thread_cores": round(ui, 4),
                       "all_decode_tok_s": {k: [round(s["decode_tok_s"], 1) for s in v] for k, v in results.items()},

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from sparkchat.engine.errors import SparkchatError
-from sparkchat.engine.events import SamplingParams, Switches
+from sparkchat.engine.events import SamplingParams, Switches, sampling_problem
 
 APP_NAME = "sparkchat"
 SETTINGS_FILE = "settings.toml"
@@ -193,16 +193,9 @@ def _range_problem(key: str, v: Any) -> str | None:
         return f"must be an http(s) URL or empty, got {v!r}"
     if key == "switches.draft_steps" and not 1 <= v <= MAX_DRAFT_STEPS:
         return f"must be between 1 and {MAX_DRAFT_STEPS}, got {v}"
-    if key == "sampling.temperature" and v < 0:
-        return f"must be >= 0 (0 is greedy), got {v}"
-    if key == "sampling.top_p" and not 0 < v <= 1:
-        return f"must be in (0, 1], got {v}"
-    if key == "sampling.top_k" and v < 0:
-        return f"must be >= 0 (0 is off), got {v}"
-    if key == "sampling.max_tokens" and v < 1:
-        return f"must be >= 1, got {v}"
-    if key == "sampling.seed" and v < 0:
-        return f"must be >= 0, got {v}"
+    if key.startswith("sampling."):
+        problem = sampling_problem(key.split(".", 1)[1], v)  # the same check as `ask` and the app
+        return f"{problem}, got {v}" if problem else None
     return None
 
 

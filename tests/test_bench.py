@@ -50,3 +50,7 @@ def test_bench_command_prints_the_table_as_json(tmp_path, capsys):
     assert main(["bench", "--config", str(cfg_path), "--device", "cpu", "--context", "16", "--iters", "2"]) == 0
     text = capsys.readouterr().out
     assert "projection, not a measurement" in text and "half the experts repeated" in text
+    # a prompt longer than the context: the model is built with room for it
+    assert main(["bench", "--config", str(cfg_path), "--device", "cpu", "--context", "16", "--iters", "1",
+                 "--prefill", "80", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["prefill_ms_per_token"] > 0

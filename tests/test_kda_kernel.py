@@ -76,15 +76,27 @@ def compare(case, device, *, seed=0, perturb=None, fold=False) -> list[str]:
         extra = {"beta_x": bx, "beta_w": bw}
     c1, r1 = conv.clone(), rec.clone()
     o1, w1, s1 = kda_core(*x, c1, r1, cw, alog, dtb, onw, H, DH, safe, lb, 1e-6, keep, False)
+    # one element on the CPU (bit-exact comparison); on the GPU the comparison allows a few ulps and a
+    # few stray state elements, so the whole input is nudged
+    one = device == "cpu"
     if perturb == "gate":
         x[3] = x[3].clone()
-        x[3][T - 1, DH + 1] += 0.05
+        if one:
+            x[3][T - 1, DH + 1] += 0.05
+        else:
+            x[3] += 0.5
     elif perturb == "beta":
         x[4] = x[4].clone()
-        x[4][T - 1, 1] += 0.05
+        if one:
+            x[4][T - 1, 1] += 0.05
+        else:
+            x[4] += 0.5
     elif perturb == "norm":
         onw = onw.clone()
-        onw[3] *= 1.05
+        if one:
+            onw[3] *= 1.05
+        else:
+            onw *= 1.1
     c2, r2 = conv.clone(), rec.clone()
     if fold:
         x = x[:4] + [None] + x[5:]
@@ -136,7 +148,10 @@ def run_all(device: str, real: bool = True) -> None:
     # the check has teeth: the kernel fed a nudged gate input, beta or norm weight must not pass
     for perturb, case in (("gate", CASES[4]), ("beta", CASES[2]), ("norm", CASES[0])):
         assert compare(case, device, perturb=perturb), f"a perturbed {perturb} went unnoticed"
-    # past MAX_TOKENS, and chunked, it hands over to the twin: the same results exactly
+    # past MAX_TOKENS, and chunked, it hands over to the twin: the same results exactly (the plain
+    # twin: an earlier test may have left ops.kda_core compiled, which rounds differently)
+    from sparkchat.engine.nn.ops import ops
+    ops.kda_core = kda_core
     for T, chunked in ((9, False), (4, True)):
         x, (conv, rec), w = make_inputs(T, 2, 16, 4, torch.bfloat16, device)
         c1, r1, c2, r2 = conv.clone(), rec.clone(), conv.clone(), rec.clone()

@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import re
 import tomllib
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from sparkchat import settings as st
-from sparkchat.settings import Settings, SettingsError
+from sparkchat.cli.ask import sampling_from
+from sparkchat.engine.events import SAMPLING_RULES, SamplingParams, sampling_problem
+from sparkchat.settings import Settings, SettingsError, set_value
+from sparkchat.ui.prefs import ChatSettings
 
 
 @pytest.fixture(autouse=True)
@@ -159,3 +164,33 @@ def test_dumps_toml_escapes_and_rejects_nesting():
         st.dumps_toml({"t": {"u": {"v": 1}}})
     with pytest.raises(ValueError):
         st.dumps_toml({"bad key": 1})
+
+
+@pytest.mark.parametrize("name,value", [("temperature", -0.1), ("temperature", float("nan")), ("top_p", 0.0),
+                                        ("top_p", 1.5), ("top_k", -1), ("max_tokens", 0), ("seed", -3)])
+def test_one_sampling_check_for_ask_the_app_and_the_settings_file(name, value):
+    label, rule, _ = SAMPLING_RULES[name]
+    assert sampling_problem(name, value) == rule
+    with pytest.raises(ValueError) as shared:
+        replace(SamplingParams(), **{name: value}).validate()
+    assert str(shared.value) == f"{label} {rule}, got {value}"
+    # `sparkchat ask` (and `serve`): the same check, naming the flag
+    args = argparse.Namespace(temperature=None, top_p=None, top_k=None, seed=None, max_tokens=None)
+    setattr(args, name, value)
+    with pytest.raises(ValueError) as cli:
+        sampling_from(args)
+    assert str(cli.value) == f"--{name.replace('_', '-')} {rule}, got {value}"
+    # the app's settings form and saved chat settings
+    with pytest.raises(ValueError) as app:
+        ChatSettings(**{name: value})
+    assert str(app.value) == str(shared.value)
+    # settings.toml / `sparkchat config set` (a NaN is refused earlier, as not finite)
+    with pytest.raises(SettingsError, match="finite" if value != value else re.escape(rule)):
+        set_value(Settings(), f"sampling.{name}", value)
+
+
+def test_sampling_limits_themselves_are_allowed():
+    params = SamplingParams(temperature=0.0, top_p=1.0, top_k=0, seed=0, max_tokens=1)
+    assert params.validate() is params
+    assert sampling_problem("seed", None) is None  # no seed: a fresh one each answer
+    assert sampling_problem("ignore_eos", True) is None  # not a range-checked field

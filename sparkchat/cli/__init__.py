@@ -50,7 +50,7 @@ def open_app(args: argparse.Namespace) -> int:
 
         return run_app(engine=connect_endpoint(endpoint, model=args.model))
     try:
-        model_dir = resolve_model(args.model)
+        model_dir = resolve_model(args.model, announce_demo=False)  # the app says it on screen
     except ModelError as e:
         if args.model:
             raise

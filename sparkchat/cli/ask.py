@@ -61,22 +61,20 @@ def read_prompt(args: argparse.Namespace) -> str:
 
 
 def sampling_from(args: argparse.Namespace):
+    """The sampling flags as SamplingParams; ValueError (one line) for a flag out of range, checked
+    before any model loads (the draft-steps flag too)."""
     from sparkchat.engine.events import SamplingParams
+    from sparkchat.settings import MAX_DRAFT_STEPS
 
+    steps = getattr(args, "draft_steps", None)
+    if steps is not None and not 1 <= steps <= MAX_DRAFT_STEPS:
+        raise ValueError(f"--draft-steps must be between 1 and {MAX_DRAFT_STEPS}, got {steps}")
     p = SamplingParams()
     for name in ("temperature", "top_p", "top_k", "seed", "max_tokens"):
         value = getattr(args, name, None)
         if value is not None:
             setattr(p, name, value)
-    if p.max_tokens < 1:
-        raise ValueError("--max-tokens must be at least 1")
-    if p.temperature < 0:
-        raise ValueError("--temperature must be 0 or more")
-    if not 0 < p.top_p <= 1:
-        raise ValueError("--top-p must be in (0, 1]")
-    if p.top_k < 0:
-        raise ValueError("--top-k must be 0 or more")
-    return p
+    return p.validate(flags=True)
 
 
 def load_engine(args: argparse.Namespace, progress=None):
@@ -92,8 +90,6 @@ def load_engine(args: argparse.Namespace, progress=None):
         value = getattr(args, name, None)
         if value is not None:
             setattr(sw, name, value)
-    if not 1 <= sw.draft_steps <= 4:
-        raise ValueError("--draft-steps must be between 1 and 4")
     engine.set_switches(sw)
     return engine
 

@@ -57,7 +57,8 @@ def run(args: argparse.Namespace) -> int:
         from sparkchat.cli.resolve import resolve_model
         from sparkchat.engine.session import Engine
 
-        engine = Engine.load(resolve_model(args.model), device=str(device), max_context=args.context + 256)
+        room = max(args.context, args.prefill) + 256
+        engine = Engine.load(resolve_model(args.model), device=str(device), max_context=room)
         model, source = engine.model, f"model {engine.name}"
         accept = measure_accept_length(engine, args.draft_steps)
     else:
@@ -73,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
                 raise ModelError(f"cannot read --config {args.config}: {e}") from None
         cfg = synthetic_config(args.layers, base)
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-        model = build_synthetic(cfg, device, dtype, max_context=args.context + 128)
+        model = build_synthetic(cfg, device, dtype, max_context=max(args.context, args.prefill) + 128)
         source = f"synthetic weights, {cfg.num_hidden_layers} layers"
     if device.type == "cuda":
         torch.cuda.synchronize()

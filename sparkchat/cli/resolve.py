@@ -10,8 +10,19 @@ from pathlib import Path
 from sparkchat.engine.errors import ModelError
 
 DEMO_DIR = Path(__file__).resolve().parent.parent.parent / "assets" / "demo"
-DEMO_HINT = ("sparkchat: using the built-in demo model (17 MB, trained on Python's docs; it often gets them "
-             "wrong). For the real one: sparkchat download inclusionAI/Ling-3.0-flash-fp4")
+DEMO_ABOUT = "Using the built-in demo model (17 MB, trained on Python's docs; it often gets them wrong)."
+DEMO_GET = "For the real one: sparkchat download inclusionAI/Ling-3.0-flash-fp4"
+DEMO_HINT = f"sparkchat: u{DEMO_ABOUT[1:]} {DEMO_GET}"  # what `ask` prints on stderr; the app shows both parts
+
+
+def is_demo(path: str | Path | None) -> bool:
+    """Whether `path` is the built-in demo model's folder."""
+    if path is None:
+        return False
+    try:
+        return Path(path).expanduser().resolve() == DEMO_DIR.resolve()
+    except OSError:
+        return False
 
 
 def resolve_model(model: str | None, announce_demo: bool = True) -> Path:

@@ -5,8 +5,27 @@ The CLI, the terminal app and the server consume these and nothing below them.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+# The one range check of sampling values (CLI flags, the app's settings form, settings.toml):
+# field -> (what the user calls it, rule, test of a value).
+SAMPLING_RULES: dict[str, tuple[str, str, Any]] = {
+    "temperature": ("temperature", "must be 0 (greedy) or more", lambda v: v >= 0 and math.isfinite(v)),
+    "top_p": ("top-p", "must be in (0, 1]", lambda v: 0 < v <= 1),
+    "top_k": ("top-k", "must be 0 (no cut) or more", lambda v: v >= 0),
+    "max_tokens": ("max tokens", "must be at least 1", lambda v: v >= 1),
+    "seed": ("seed", "must be 0 or more", lambda v: v >= 0),
+}
+
+
+def sampling_problem(name: str, value: Any) -> str | None:
+    """What is wrong with one sampling value ("must be in (0, 1]"); None when it is allowed."""
+    rule = SAMPLING_RULES.get(name)
+    if rule is None or value is None:  # seed None: a fresh seed each answer
+        return None
+    return None if rule[2](value) else rule[1]
 
 
 @dataclass
@@ -17,6 +36,17 @@ class SamplingParams:
     seed: int | None = None
     max_tokens: int = 512
     ignore_eos: bool = False  # keep going past stop tokens (benchmarks, tests on random models)
+
+    def validate(self, *, flags: bool = False) -> SamplingParams:
+        """Raise ValueError, one line, for the first value out of range; values are named as a user
+        sees them ("top-p"), or as command-line flags ("--top-p") with `flags`. Returns self."""
+        for name in SAMPLING_RULES:
+            value = getattr(self, name)
+            problem = sampling_problem(name, value)
+            if problem:
+                label = "--" + name.replace("_", "-") if flags else SAMPLING_RULES[name][0]
+                raise ValueError(f"{label} {problem}, got {value}")
+        return self
 
 
 @dataclass

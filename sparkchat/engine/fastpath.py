@@ -69,7 +69,11 @@ def _fp8_head() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Te
     from sparkchat.engine.kernels.fp8_gemv import fp8_head_gemv
 
     def head(h: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        return fp8_head_gemv(h.contiguous(), w, scale)
+        h = h.contiguous()
+        if h.shape[0] <= 8:
+            return fp8_head_gemv(h, w, scale)
+        # a prompt's logits: windows of 8 rows, never a dequantized copy of the 157K-row head
+        return torch.cat([fp8_head_gemv(h[i:i + 8], w, scale) for i in range(0, h.shape[0], 8)])
 
     return head
 

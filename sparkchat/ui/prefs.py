@@ -1,6 +1,7 @@
 """What the app remembers between runs, kept in the user's settings file (`sparkchat.settings`,
-settings.toml): chat defaults (sampling, system prompt, thinking), the engine switches and the theme.
-Other settings in that file (model, device, …) are left as they are.
+settings.toml): chat defaults (sampling, system prompt, thinking), the engine switches and the theme,
+and the model last switched to on the models screen. Other settings in that file (device, …) are left
+as they are.
 
 Each conversation also keeps its own copy of the chat settings (History conversation `settings`), so a
 resumed chat answers the way it did before.
@@ -13,7 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from sparkchat.engine.events import SamplingParams, Switches
-from sparkchat.settings import MAX_DRAFT_STEPS, Settings, SettingsError, load_settings, save_settings
+from sparkchat.settings import (DEFAULT_MODEL, MAX_DRAFT_STEPS, Settings, SettingsError, load_settings,
+                                save_settings)
 
 DRAFT_STEPS = tuple(range(1, MAX_DRAFT_STEPS + 1))
 
@@ -31,16 +33,7 @@ class ChatSettings:
     thinking: bool = True
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError("temperature must be 0 (greedy) or more")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError("top-p must be in (0, 1]")
-        if self.top_k < 0:
-            raise ValueError("top-k must be 0 (off) or more")
-        if self.max_tokens < 1:
-            raise ValueError("max tokens must be at least 1")
-        if self.seed is not None and self.seed < 0:
-            raise ValueError("seed must be 0 or more (or blank)")
+        self.sampling()  # ValueError, one line, for a value out of range (the check `ask` uses too)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ChatSettings:
@@ -60,8 +53,9 @@ class ChatSettings:
         return asdict(self)
 
     def sampling(self) -> SamplingParams:
+        """These settings as the engine takes them, range-checked (ValueError)."""
         return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-                              seed=self.seed, max_tokens=self.max_tokens)
+                              seed=self.seed, max_tokens=self.max_tokens).validate()
 
 
 @dataclass
@@ -90,4 +84,15 @@ def save(prefs: Prefs, path: str | Path | None = None) -> None:
     s.system_prompt, s.thinking = c.system_prompt, c.thinking
     s.switches = Switches(**asdict(prefs.switches))
     s.theme = prefs.theme
+    save_settings(s, path)
+
+
+def save_default_model(model: str, path: str | Path | None = None) -> None:
+    """Make `model` (a folder, or a downloaded Hub repo id) the one `sparkchat` opens next time; the
+    built-in demo resets the setting, so that the real model is opened once it is downloaded. Keeps
+    the rest of the file. Raises SettingsError."""
+    from sparkchat.cli.resolve import is_demo
+
+    s = load_settings(path)
+    s.model = DEFAULT_MODEL if is_demo(model) else model
     save_settings(s, path)

@@ -45,7 +45,9 @@ def render_budget(engine: Any) -> float | None:
 class RenderPacer:
     """When the UI may render streamed text next: at least `min_s` after the previous render, at most
     `max_s`, and, with a `budget`, once the UI thread's CPU time since the previous render is no more
-    than `budget` of the time passed. Call `rendered()` on the UI thread as each render starts."""
+    than `budget` of the time passed. The first text is shown at once; the CPU time from `start()`
+    (mounting the answer's view) paces the render after it. Call `rendered()` on the UI thread as each
+    render starts."""
 
     def __init__(self, budget: float | None = None, *, min_s: float = FLUSH_S, max_s: float = MAX_FLUSH_S,
                  clock: Callable[[], float] = time.monotonic,
@@ -54,8 +56,12 @@ class RenderPacer:
         self.clock, self.cpu_clock = clock, cpu_clock
         self.renders = 0
         self._last: float | None = None
-        self._last_cpu = 0.0
+        self._last_cpu: float | None = None
         self._gap = min_s
+
+    def start(self) -> None:
+        """The answer's view is being made: what the UI spends from here counts toward the first render."""
+        self._last_cpu = self.cpu_clock()
 
     def wait(self) -> float:
         """Seconds until the next render may start (0: now)."""
@@ -65,7 +71,7 @@ class RenderPacer:
 
     def rendered(self) -> None:
         now, cpu = self.clock(), self.cpu_clock()
-        if self._last is not None and self.budget:
+        if self._last_cpu is not None and self.budget:
             # what the UI thread spent since the previous render (that render's layout and compositor
             # passes included) is what this one will cost: it must be spread over the time to the next
             self._gap = min(max((cpu - self._last_cpu) / self.budget, self.min_s), self.max_s)

@@ -412,3 +412,22 @@ async def test_command_palette_entries(make_app):
         await wait_for(pilot, lambda: top_hit().startswith("New chat"))
         await pilot.press("enter")
         await wait_for(pilot, lambda: chat(app).conversation is None and not answers(app))
+
+
+async def test_the_demo_model_says_so_with_how_to_get_the_real_one(make_app):
+    from sparkchat.cli.resolve import DEMO_DIR, DEMO_GET, DEMO_HINT
+    from sparkchat.ui.app import engine_loader
+
+    app = make_app(engine_factory=engine_loader(DEMO_DIR, device="cpu", max_context=512))
+    app.model_dir = DEMO_DIR  # as run_app sets it
+    async with app.run_test(size=SIZE) as pilot:
+        notice = chat(app).query_one("#notice")
+        assert notice.display  # already while it loads
+        await wait_for(pilot, lambda: app.engine is not None, timeout=120, what="the demo model")
+        text = static_text(notice)
+        assert "demo model" in text and DEMO_GET in text and DEMO_GET in DEMO_HINT  # the hint `ask` prints
+        await ask(pilot, "What does str.split do?", timeout=120)
+        assert notice.display
+    app = make_app(FakeEngine())  # any other model: no notice
+    async with app.run_test(size=SIZE):
+        assert not chat(app).query_one("#notice").display

@@ -229,3 +229,50 @@ def test_progress_text_and_latest():
     assert latest.put(1, 10) and not latest.put(2, 10)  # one wake-up until the UI takes
     assert latest.take() == (2, 10)
     assert latest.put(3, 10)
+
+
+async def test_a_switched_model_is_the_default_next_time(make_app, local_models, monkeypatch):
+    import argparse
+
+    from sparkchat import cli
+    from sparkchat.cli.resolve import DEMO_DIR
+    from sparkchat.settings import DEFAULT_MODEL, load_settings
+
+    target, _ = local_models
+    demo = FakeEngine()
+    demo.model_dir = DEMO_DIR  # as if `sparkchat` had opened the demo: nothing configured
+    app = make_app(demo, device="cpu", max_context=256)
+    async with app.run_test(size=SIZE) as pilot:
+        assert chat(app).query_one("#notice").display  # the demo says so
+        await open_models(pilot)
+        rows_ = rows(app.screen)
+        await pilot.press(*["down"] * [r[1] for r in rows_].index("tiny-ling"), "enter")
+        await wait_for(pilot, lambda: app.engine_status == "ready" and app.engine is not demo, timeout=120)
+        await wait_for(pilot, lambda: any("opens it from now on" in n for n in notifications(app)))
+        assert not chat(app).query_one("#notice").display  # no longer the demo
+    assert load_settings().model == str(target.resolve())
+    # the next `sparkchat` opens it
+    opened = {}
+    monkeypatch.setattr("sparkchat.ui.app.run_app", lambda model_dir=None, **kw: opened.setdefault("dir", model_dir))
+    cli.open_app(argparse.Namespace(model=None, endpoint=None, device=None, max_context=256))
+    assert opened["dir"] == target.resolve()
+    # switching back to the demo resets the setting: the real model, once downloaded, wins again
+    app = make_app(FakeEngine(), device="cpu", max_context=256)
+    async with app.run_test(size=SIZE) as pilot:
+        assert app.switch_model(DEMO_DIR, "demo")
+        await wait_for(pilot, lambda: app.engine_status == "ready", timeout=120)
+        assert chat(app).query_one("#notice").display
+    assert load_settings().model == DEFAULT_MODEL
+
+
+async def test_a_failed_switch_is_not_saved(make_app, local_models, tmp_path):
+    from sparkchat.settings import DEFAULT_MODEL, load_settings
+
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text('{"model_type": "llama"}')
+    app = make_app(FakeEngine(), device="cpu")
+    async with app.run_test(size=SIZE) as pilot:
+        assert app.switch_model(broken, "broken")
+        await wait_for(pilot, lambda: app.engine_status == "failed", timeout=60)
+    assert load_settings().model == DEFAULT_MODEL

@@ -11,6 +11,14 @@ def test_chat_empty(snap_compare, make_app):
     assert snap_compare(make_app(FakeEngine()), terminal_size=SIZE)
 
 
+def test_chat_demo_model(snap_compare, make_app):
+    from sparkchat.cli.resolve import DEMO_DIR
+
+    engine = FakeEngine()
+    engine.model_dir = DEMO_DIR  # the built-in demo: the screen says so, and how to get the real model
+    assert snap_compare(make_app(engine), terminal_size=SIZE)
+
+
 def test_chat_no_model(snap_compare, make_app):
     assert snap_compare(make_app(None), terminal_size=SIZE)
 

@@ -18,7 +18,7 @@ from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import Screen
 from textual.timer import Timer
-from textual.widgets import Footer, Header, Static
+from textual.widgets import Collapsible, Footer, Header, Static
 from textual.worker import get_current_worker
 
 from sparkchat.history import Conversation, Message
@@ -27,13 +27,35 @@ from sparkchat.ui.messages import StreamChunk, StreamDone
 from sparkchat.ui.prefs import ChatSettings
 from sparkchat.ui.screens.dialogs import ConfirmScreen, TextPromptScreen, export_path_suggestion
 from sparkchat.ui.streaming import Job, RateMeter, RenderPacer, render_budget, run_job
-from sparkchat.ui.widgets.message import AssistantMessage, ChatLog, MessageView, UserMessage
+from sparkchat.ui.widgets.message import AssistantMessage, ChatLog, ChatMarkdown, MessageView, UserMessage
 from sparkchat.ui.widgets.prompt import PromptInput
 from sparkchat.ui.widgets.sidebar import ConversationAction, HistorySidebar
 from sparkchat.ui.widgets.stats_bar import StatsBar
 
 if TYPE_CHECKING:
     from sparkchat.ui.app import SparkchatApp
+
+
+# every kind of block an answer may hold (see ChatScreen._warm_up)
+WARM_UP_MARKDOWN = """# A *heading*
+
+A paragraph with **bold**, `code`, a [link](https://example.com), https://example.org and a@example.net.
+
+- an item
+  1. a nested one
+
+> a quote
+
+```python
+print("code")
+```
+
+| a | b |
+|---|---|
+| 1 | 2 |
+
+---
+"""
 
 
 @dataclass
@@ -77,6 +99,7 @@ class ChatScreen(Screen[None]):
         with Horizontal(id="body"):
             yield HistorySidebar(id="sidebar")
             with Vertical(id="main"):
+                yield Static("", id="notice", markup=False)
                 with ChatLog(id="log"):
                     yield Static("", id="empty")
                 yield StatsBar(id="stats")
@@ -90,6 +113,16 @@ class ChatScreen(Screen[None]):
         self.query_one("#sidebar").display = False
         self.refresh_state()
         self.action_focus_prompt()
+        self.set_timer(0.2, self._warm_up)  # after the first paint
+
+    async def _warm_up(self) -> None:
+        """Pay the first answer's one-time costs now, while nothing streams: Textual parses a widget
+        class's CSS and restyles the screen the first time one is mounted (each kind of Markdown block
+        included), and the Markdown parser and the code highlighter compile their patterns on first use.
+        Done mid-answer, that took ~0.1-0.2 s of the UI thread (and of a CPU engine's cores)."""
+        hidden = Vertical(Collapsible(ChatMarkdown(WARM_UP_MARKDOWN)), classes="warm-up")
+        await self.mount(hidden)
+        await hidden.remove()
 
     def on_unmount(self) -> None:
         if self._gen is not None:
@@ -113,6 +146,12 @@ class ChatScreen(Screen[None]):
         else:
             self.sub_title = {"loading": "loading model…", "failed": "model failed to load"}.get(
                 app.engine_status, "no model loaded")
+        notice = self.query_one("#notice", Static)
+        notice.display = app.demo_model
+        if notice.display:
+            from sparkchat.cli.resolve import DEMO_ABOUT, DEMO_GET
+
+            notice.update(f"{DEMO_ABOUT}\n{DEMO_GET}  (or here: f3, Download)")
         empty = self.query_one("#empty", Static)
         empty.update(self._empty_text())
         empty.display = not self.query(MessageView)
@@ -221,6 +260,8 @@ class ChatScreen(Screen[None]):
         engine = self.app.engine
         messages = self._engine_messages()
         row = self.app.history.append(self.conversation.id, "assistant", "", status="streaming")
+        pacer = RenderPacer(render_budget(engine))
+        pacer.start()
         view = AssistantMessage(model=engine.name, message_id=row.id, streaming=True,
                                 reasoning_open=self.settings.thinking and opens_reasoning(engine))
         await self._mount_message(view)
@@ -228,8 +269,8 @@ class ChatScreen(Screen[None]):
         job = Job(self._gen_counter, engine, messages, self.settings.sampling(), self.settings.thinking,
                   reset=self._reset_pending)
         self._reset_pending = False
-        self._gen = _Generation(job.gen_id, job, view, row.id, RenderPacer(render_budget(engine)))
-        self.query_one(StatsBar).show_idle("prefill…")
+        self._gen = _Generation(job.gen_id, job, view, row.id, pacer)
+        self.query_one(StatsBar).show_prefill()
         # a steady cursor while answering: each blink is a render, taken from a CPU engine's cores
         self.query_one(PromptInput).cursor_blink = False
         self.refresh_bindings()

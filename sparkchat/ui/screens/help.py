@@ -58,7 +58,8 @@ def help_sections() -> list[tuple[str, list[tuple[str, str]]]]:
     from sparkchat.ui.widgets.sidebar import HistoryList, HistorySidebar
 
     return [
-        ("Anywhere", binding_rows([*SparkchatApp.BINDINGS, *ChatScreen.BINDINGS]) + EXTRA_KEYS["Anywhere"]),
+        ("Anywhere", binding_rows(SparkchatApp.BINDINGS) + EXTRA_KEYS["Anywhere"]),
+        ("Chat", binding_rows(ChatScreen.BINDINGS)),
         ("Prompt", EXTRA_KEYS["Prompt"] + binding_rows(PromptInput.BINDINGS)),
         ("Messages", binding_rows([*MessageView.BINDINGS, *UserMessage.BINDINGS,
                                                                *AssistantMessage.BINDINGS]) + EXTRA_KEYS["Messages"]),

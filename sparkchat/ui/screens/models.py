@@ -301,7 +301,9 @@ class ModelsScreen(Screen[None]):
         self._switch(m)
 
     def _switch(self, m: Any) -> None:
-        if self.app.switch_model(m.path, m.name.split("/")[-1]):
+        # the default from now on: a Hub download by its repo id (its newest snapshot), others by folder
+        setting = m.name if m.source == "hf-cache" and "@" not in m.name else None
+        if self.app.switch_model(m.path, m.name.split("/")[-1], setting=setting):
             self._fill_table()
 
     # -- delete --------------------------------------------------------------------------------------
@@ -454,6 +456,6 @@ def _endpoint() -> str | None:
     from sparkchat.settings import SettingsError, load_settings
 
     try:
-        return load_settings().endpoint or None
+        return load_settings().hub_endpoint or None
     except SettingsError:
         return None

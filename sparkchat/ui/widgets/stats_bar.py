@@ -14,7 +14,7 @@ from textual.widgets import Sparkline, Static
 
 from sparkchat.ui.format import FINISH_LABELS, accept_text, format_bytes, format_ms
 
-LIVE_EVERY_S = 0.5  # live numbers are redrawn at most this often (the streamed text, every FLUSH_S)
+LIVE_EVERY_S = 0.5  # live numbers are redrawn at most this often (the streamed text: see streaming.RenderPacer)
 
 
 class StatsBar(Vertical):
@@ -48,15 +48,28 @@ class StatsBar(Vertical):
         self.query_one("#stats-latency", Static).update("")
         self.query_one("#stats-detail", Static).update(Text(message, style="dim"))
 
+    def show_prefill(self) -> None:
+        """An answer starts: the live layout now (a change of classes restyles the bar, better done
+        before the engine computes than at its first token), numbers from the first token on."""
+        self._drop_pending()
+        self._last_live = float("-inf")
+        self.set_class(False, "-idle")
+        self.set_class(True, "-live")
+        self.query_one("#stats-rate", Static).update(Text.assemble(("      —", "bold"), " tok/s"))
+        self.query_one("#stats-spark", Sparkline).data = []
+        self.query_one("#stats-latency", Static).update("")
+        self.query_one("#stats-detail", Static).update(Text("prefill…", style="dim"))
+
     def show(self, stats: Any, rates: Sequence[float], finish_reason: str | None = None,
              mtp_on: bool = True) -> None:
         """Live (finish_reason None) or final numbers of the current answer."""
         if finish_reason is None:
             wait = self._last_live + LIVE_EVERY_S - time.monotonic()
-            if wait > 0:  # drawn a moment ago: draw the latest numbers when the interval is over
+            if wait > 0:  # drawn a moment ago: the latest numbers wait for a later call...
                 self._pending = (stats, list(rates), mtp_on)
-                if self._pending_timer is None:
-                    self._pending_timer = self.set_timer(wait, self._show_pending)
+                if self._pending_timer is None:  # ...or, failing one, for a timer a little later (its
+                    # own render: the streamed text's next render usually draws them first)
+                    self._pending_timer = self.set_timer(wait + LIVE_EVERY_S, self._show_pending)
                 return
             self._last_live = time.monotonic()
         else:
