@@ -274,7 +274,9 @@ class ChatScreen(Screen[None]):
         # a steady cursor while answering: each blink is a render, taken from a CPU engine's cores
         self.query_one(PromptInput).cursor_blink = False
         self.refresh_bindings()
-        self._run_engine(job, row.id)
+        # the engine starts once this screen has drawn the new messages and its footer: done while it
+        # computes, that work would be taken from a CPU engine's cores
+        self.call_after_refresh(self._run_engine, job, row.id)
 
     @work(thread=True, group="engine", exit_on_error=False)
     def _run_engine(self, job: Job, message_id: int) -> None:

@@ -219,9 +219,8 @@ class AssistantMessage(MessageView):
 
     @staticmethod
     def _reasoning_title(think: str, think_open: bool) -> str:
-        if not think_open:
-            return "Reasoning"
-        return f"Reasoning… ({len(think):,} chars)" if think else "Reasoning…"
+        # no live count: a title that changes is a layout per render (the stats bar counts tokens)
+        return "Reasoning…" if think_open else "Reasoning"
 
     async def feed(self, delta: str) -> None:
         """Add streamed text (reasoning and answer are routed apart as tags arrive)."""
