@@ -13,9 +13,6 @@ within the twin's own error of it plus 3 units of the twin.
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -131,21 +128,11 @@ def run_model(path: str) -> None:
     print("mla hook ok")
 
 
-_SCRIPT = """
-import sys, tempfile, pathlib
-from tests.conftest import make_model_dir
-from tests.test_mla_kernel import run_all, run_model
-run_all('cpu')
-run_model(str(make_model_dir(pathlib.Path(tempfile.mkdtemp(dir=sys.argv[1])) / 'tiny', seed=0, mtp=False)))
-"""
-
-
 @pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed (its CPU interpreter runs these)")
 def test_mla_kernel_under_triton_interpreter(tmp_path):
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")  # set before triton is imported
-    r = subprocess.run([sys.executable, "-c", _SCRIPT, str(tmp_path)], cwd=root, env=env, capture_output=True,
-                       text=True, timeout=300)
+    from tests.interpreter import KERNEL_AND_HOOK, run_interpreted
+
+    r = run_interpreted(KERNEL_AND_HOOK.format(module="test_mla_kernel"), str(tmp_path))
     assert r.returncode == 0 and "mla kernel ok" in r.stdout and "mla hook ok" in r.stdout, r.stderr[-3000:]
 
 
