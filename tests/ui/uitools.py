@@ -6,8 +6,9 @@ from sparkchat.history import History
 from collections.abc import Callable
 
 
-async def wait_for(pilot, condition: Callable[[], object], timeout: float = 10.0, what: str = "") -> None:
-    """Let the app run until `condition()` is true; fail after `timeout` seconds."""
+async def wait_for(pilot, condition: Callable[[], object], timeout: float = 30.0, what: str = "") -> None:
+    """Let the app run until `condition()` is true; fail after `timeout` seconds (generous: a loaded
+    2-core CI machine paces CPU-engine renders slowly)."""
     deadline = time.monotonic() + timeout
     while not condition():
         if time.monotonic() > deadline:
