@@ -29,8 +29,8 @@ FLUSH_S = 0.05  # the UI renders streamed text at most this often
 # While the engine computes on the CPU, the UI thread may use this share of one core (renders and
 # everything else it does meanwhile): the next render waits until the CPU time spent since the previous
 # one is within it, however long or short the answer's renders are; see docs/app-overhead.md.
-CPU_RENDER_BUDGET = 0.02
-MAX_FLUSH_S = 1.0  # ... but the shown text is never older than this
+CPU_RENDER_BUDGET = 0.015
+MAX_FLUSH_S = 1.5  # ... but the shown text is never older than this
 SAVE_S = 0.5  # how often the partial answer is written to the history
 MAX_RATE_SAMPLES = 600
 CANCEL_GRACE_EVENTS = 4  # events an engine may still yield after the cancel event before it is closed

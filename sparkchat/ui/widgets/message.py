@@ -23,7 +23,8 @@ class SettlesInOnePass:
     container can show or hide its scrollbars. A growing answer changes the virtual size of its
     message, its Markdown and the log at each render, doubling the layout work per render, which on a
     small CPU is taken from the engine (docs/app-overhead.md). These widgets do not scroll, and the log's
-    scrollbars request their own layout when they appear or go, so the first pass is all they need."""
+    scrollbars request their own layout when they appear or go, so the first pass is all they need.
+    (`_size_updated` is Textual's own hook, private: should it be renamed, this simply stops applying.)"""
 
     def _size_updated(self, size: Any, virtual_size: Any, container_size: Any, layout: bool = True) -> bool:
         return super()._size_updated(size, virtual_size, container_size, layout=False)  # type: ignore[misc]
@@ -229,8 +230,9 @@ class AssistantMessage(MessageView):
         self.raw += delta
         think, answer, think_open = self._split()
         collapsible = self.query_one(".thinking", Collapsible)
-        if think and not collapsible.display:
-            collapsible.display = True
+        shown = bool(think) or think_open
+        if collapsible.display != shown:  # (an empty reasoning block opened by the prompt goes)
+            collapsible.display = shown
         collapsible.title = self._reasoning_title(think, think_open)
         if not collapsible.collapsed:  # folded reasoning is rendered when opened, or once at the end
             await self._think.show(think)
