@@ -304,7 +304,7 @@ def bench_router(rec: Recorder, sweep: bool) -> None:
     from sparkchat.engine.nn.moe import route as route_ref
 
     copies = 24
-    ws_ = [torch.randn(E, H, device="cuda") * H ** -0.5 for _ in range(copies)]
+    ws_ = [(torch.randn(E, H, device="cuda") * H ** -0.5).bfloat16() for _ in range(copies)]  # BF16, as released
     bias = torch.zeros(E, device="cuda")
     for T in (1, 4):
         x = torch.randn(T, H, device="cuda").bfloat16()
@@ -312,8 +312,17 @@ def bench_router(rec: Recorder, sweep: bool) -> None:
         i2, _ = route(x, ws_[0], bias, 8, 4, K, 2.5, True)
         assert torch.equal(i1.sort(-1).values, i2.sort(-1).values), "router kernel disagrees with its twin"
         us = graph_us([lambda i=i: route(x, ws_[i], bias, 8, 4, K, 2.5, True) for i in range(copies)])
-        rec.add(f"router (logits GEMV + top-k) T={T}", us, E * H * 4 + T * H * 2)
+        rec.add(f"router (logits GEMV + top-k) T={T}", us, E * H * 2 + T * H * 2)
         if sweep:
+            # fewer split-K partials make the top-k kernel's loads shorter; more rows per program less
+            for gcfg in (None, GemvConfig(bn=4, rs=1, bk=512, warps=2, split=1),
+                         GemvConfig(bn=2, rs=1, bk=512, warps=2, split=1),
+                         GemvConfig(bn=4, rs=1, bk=256, warps=2, split=2),
+                         GemvConfig(bn=8, rs=1, bk=256, warps=4, split=2)):
+                for nw in (1, 4):
+                    g = graph_us([lambda i=i: route(x, ws_[i], bias, 8, 4, K, 2.5, True, num_warps=nw, gemv=gcfg)
+                                  for i in range(copies)])
+                    print(f"    router T={T} top-k warps={nw} gemv {gcfg}: {g:.2f} us", flush=True)
             for cfg in (GemvConfig(bn=16, rs=1, bk=256, warps=4, split=5), GemvConfig(bn=8, rs=1, bk=512, warps=2, split=5),
                         GemvConfig(bn=16, rs=1, bk=128, warps=4, split=10), GemvConfig(bn=32, rs=1, bk=256, warps=8, split=5)):
                 g = graph_us([lambda i=i: plain_gemv_partials(x, ws_[i], cfg) for i in range(copies)])
@@ -327,6 +336,7 @@ def bench_kda(rec: Recorder, sweep: bool) -> None:
     torch.compile'd twin, at 32 heads x 128."""
     import triton
 
+    import sparkchat.engine.nn.kda  # noqa: F401  (registers ops.kda_core before compiling)
     from sparkchat.engine.kernels.kda_decode import kda_decode
     from sparkchat.engine.nn import ops as opsmod
     from tests.test_kda_kernel import make_inputs
@@ -337,9 +347,13 @@ def bench_kda(rec: Recorder, sweep: bool) -> None:
         x, (conv, recur), w = make_inputs(T, heads, dh, 4, torch.bfloat16, "cuda")
         args = (*x, conv, recur, *w, heads, dh, True, -5.0, 1e-6, keep, False)
         fns = {"compiled torch twin": lambda: opsmod.ops.kda_core(*args)}
-        for nb in ((1, 2, 4) if sweep else (1,)):
-            for nw in ((4, 8) if sweep else (8,)):
-                fns[f"kernel dv_blocks={nb} warps={nw}"] = lambda nb=nb, nw=nw: kda_decode(*args, dv_blocks=nb, num_warps=nw)
+        launches = [(None, None)]  # the kernel's default for this window
+        if sweep:
+            launches += ([(1, 8), (4, 4), (4, 2), (8, 4), (8, 2)] if T == 1 else
+                         [(1, 8), (2, 8), (4, 8), (4, 4), (8, 4)])
+        for nb, nw in launches:
+            label = "default" if nb is None else f"dv_blocks={nb} warps={nw}"
+            fns[f"kernel {label}"] = lambda nb=nb, nw=nw: kda_decode(*args, dv_blocks=nb, num_warps=nw)
         state_bytes = heads * dh * dh * 4 * (2 + (T if keep else 0))
         for name, fn in fns.items():
             fn()
@@ -353,7 +367,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", default="bench_kernels.json")
     ap.add_argument("--sweep", action="store_true", help="also time a small list of block-size configs")
-    ap.add_argument("--only", choices=["moe", "fp8", "kda"], default=None)
+    ap.add_argument("--only", choices=["moe", "fp8", "router", "kda"], default=None)
     args = ap.parse_args()
     import triton
     assert torch.cuda.is_available(), "needs a CUDA GPU"
@@ -371,6 +385,7 @@ def main() -> None:
         torch.cuda.empty_cache()
     if args.only in (None, "fp8"):
         bench_fp8(rec, args.sweep)
+    if args.only in (None, "fp8", "router"):
         bench_router(rec, args.sweep)
     if args.only in (None, "kda"):
         bench_kda(rec, args.sweep)

@@ -1,6 +1,8 @@
 """Profile one decode step at Ling-3.0-flash-fp4's full shapes (synthetic weights): where the time goes.
 
-    python benchmarks/profile_step.py [--layers N] [--no-compile]
+    python benchmarks/profile_step.py [--layers N] [--no-compile] [--prefill N]
+
+With --prefill N it profiles the prefill of an N-token prompt instead (eager, as the engine runs it).
 """
 
 from __future__ import annotations
@@ -22,15 +24,20 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=None)
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--prefill", type=int, default=0, help="profile an N-token prefill instead")
     args = ap.parse_args()
     if args.compile:
         enable_compile()
     cfg = synthetic_config(args.layers)
-    model = build_synthetic(cfg, "cuda", max_context=2048)
+    context = max(2048, 2 * args.prefill)
+    model = build_synthetic(cfg, "cuda", max_context=context)
     model.lm_head.build_fp8()
     model.lm_head.use_fp8 = True
     fastpath.install(model, linears=True, experts=True, head=True)
-    state = ConversationState.allocate(cfg, 2048, "cuda", torch.bfloat16)
+    state = ConversationState.allocate(cfg, context, "cuda", torch.bfloat16)
+    if args.prefill:
+        profile_prefill(model, state, args.prefill)
+        return
     state.token_ids = [0] * 1024
     eager = Decoder(model, state)
     for _ in range(3):
@@ -53,6 +60,27 @@ def main() -> None:
     end.record()
     end.synchronize()
     print(f"graph decode step: {start.elapsed_time(end) / 20:.3f} ms")
+
+
+def profile_prefill(model, state: ConversationState, n: int) -> None:
+    import time
+
+    dec = Decoder(model, state)
+    prompt = [(7 * i) % 1000 + 5 for i in range(n)]
+    dec.forward(prompt[:64])  # warm-up: compilation and lazy initialisation
+    state.token_ids = []
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        dec.forward(prompt)
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    events = prof.key_averages()
+    n_kernels = sum(e.count for e in events if e.device_type.name == "CUDA")
+    print(f"prefill of {n} tokens: {wall:.2f} s under the profiler ({1000 * wall / n:.3f} ms per token), "
+          f"{n_kernels} kernels")
+    print(events.table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=70))
+    print(events.table(sort_by="cpu_time_total", row_limit=25, max_name_column_width=70))
 
 
 if __name__ == "__main__":

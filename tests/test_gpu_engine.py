@@ -100,3 +100,34 @@ def test_fp8_head_and_mtp_keep_accept_length_on_gpu(model_dirs):
     _, bf16 = _greedy(engine, prompt, mtp=True, fp8_head=False, mxfp4_kernels=True, cuda_graphs=True)
     _, fp8 = _greedy(engine, prompt, mtp=True, fp8_head=True, mxfp4_kernels=True, cuda_graphs=True)
     assert fp8.switches["fp8_head"] and fp8.accept_length_mean >= 0.75 * bf16.accept_length_mean
+
+
+def test_graph_capture_leaves_written_cache_rows_alone(model_dirs):
+    """Capturing a graph runs the step for real; it must not overwrite MLA cache rows that already
+    hold the conversation (a capture at position 0 once clobbered the first row)."""
+    from sparkchat.engine.events import SamplingParams, Switches
+    from sparkchat.engine.generate import Decoder
+    from sparkchat.engine.graphs import StepGraphs
+    from sparkchat.engine.session import Engine
+
+    engine = Engine.load(model_dirs["agree"], device="cuda", dtype="bfloat16", max_context=512,
+                         quantize_experts=True)
+    engine.set_switches(Switches(mtp=True, fp8_head=False, mxfp4_kernels=True, cuda_graphs=False))
+    engine._apply_switches()
+    engine.reset()
+    st = engine.state
+    prompt = list(range(5, 40))
+    eager = Decoder(engine.model, st)
+    eager.forward(prompt)
+    eager.commit(prompt)
+    eager.mtp_catch_up(7)
+    n = st.length
+    main_rows = {i: c.latent[:n].clone() for i, c in st.mla.items()}
+    mtp_rows = st.mtp.latent[:n].clone()
+    graphed = Decoder(engine.model, st, StepGraphs(engine.model, st))
+    graphed.forward([7])  # captures the decode graph, then replays it at position n
+    for i, c in st.mla.items():
+        assert torch.equal(c.latent[:n], main_rows[i]), i
+    graphed.commit([7])
+    graphed.draft(9, 2, SamplingParams(temperature=0.0), None)  # captures the draft graph (catch-up, step)
+    assert torch.equal(st.mtp.latent[:n], mtp_rows)

@@ -21,8 +21,11 @@ dev = "cuda" if torch.cuda.is_available() else "cpu"
 torch.manual_seed(0)
 for E, G, TG, K, T in {cases}:
     # bf16 activations take the split-K GEMV (the model's case); fp32 ones the torch matmul
-    for dtype, H in ((torch.float32, 64), (torch.bfloat16, 640)):
-        x = torch.randn(T, H, device=dev).to(dtype); W = torch.randn(E, H, device=dev) * 0.3 * (64 / H) ** 0.5
+    # the router weight fp32 or BF16 (as the release stores it; computed in fp32 either way)
+    for dtype, H, wdt in ((torch.float32, 64, torch.float32), (torch.bfloat16, 640, torch.float32),
+                          (torch.bfloat16, 640, torch.bfloat16)):
+        x = torch.randn(T, H, device=dev).to(dtype)
+        W = (torch.randn(E, H, device=dev) * 0.3 * (64 / H) ** 0.5).to(wdt)
         b = torch.randn(E, device=dev) * 0.1
         for renorm in (True, False):
             i1, w1 = ref(x, W, b, G, TG, K, 2.5, renorm)

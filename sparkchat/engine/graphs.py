@@ -4,7 +4,8 @@ Each graph is captured once per (step kind, token count, context bucket) against
 state's own tensors, so replaying it updates that state in place. Positions live in a device buffer
 and attention reads a fixed bucket of cache rows (masked past the position), so one graph serves every
 position inside its bucket. Capture runs the step for real, so the KDA states are saved before and
-put back after; MLA cache rows it writes are rewritten by the real step.
+put back after; it runs at the step's own positions, so the MLA cache rows it writes are rewritten by
+the real step.
 """
 
 from __future__ import annotations
@@ -59,12 +60,14 @@ class StepGraphs:
             return hidden, m.lm_head(hidden), kept
         with torch.inference_mode():
             h = m.mtp(m.embed_tokens(c.ids), c.hidden_in, span, self.state.mtp, m.rotary)
-            return h, m.draft_logits(h)
+            return h, m.draft_logits(h[-1:])  # a catch-up over several slots drafts from its last only
 
-    def _capture(self, kind: str, T: int, bucket: int, keep_steps: bool) -> _Captured:
+    def _capture(self, kind: str, T: int, bucket: int, keep_steps: bool, start: int) -> _Captured:
         H = self.model.cfg.hidden_size
+        # Capture runs at the step's own positions: the cache rows it writes there are rewritten by the
+        # real step right after (at position 0 it would clobber the conversation's first row).
         c = _Captured(torch.cuda.CUDAGraph(), torch.zeros(T, dtype=torch.long, device=self.device),
-                      torch.zeros(T, dtype=torch.long, device=self.device),
+                      torch.arange(start, start + T, dtype=torch.long, device=self.device),
                       torch.zeros(T, H, dtype=self.model.embed.dtype, device=self.device) if kind == "draft" else None,
                       ())
         saved = [(s.conv.clone(), s.recurrent.clone()) for s in self.state.kda.values()]
@@ -84,14 +87,14 @@ class StepGraphs:
     def replay(self, kind: str, ids: list[int], start: int, keep_steps: bool = False,
                hidden_in: torch.Tensor | None = None) -> tuple[Any, ...]:
         """Run a step through its graph (capturing it the first time). Returns the graph's outputs:
-        target → (hidden, logits, kept KDA steps); draft → (mtp hidden, logits). They are the graph's
+        target → (hidden, logits, kept KDA steps); draft → (mtp hidden, last slot's logits). They are the graph's
         own buffers: copy what must outlive the next replay."""
         T = len(ids)
         bucket = bucket_for(start + T, self.state.max_context)
         key = (kind, T, bucket, keep_steps)
         c = self.graphs.get(key)
         if c is None:
-            c = self.graphs[key] = self._capture(kind, T, bucket, keep_steps)
+            c = self.graphs[key] = self._capture(kind, T, bucket, keep_steps, start)
         c.ids.copy_(torch.tensor(ids), non_blocking=True)
         c.pos.copy_(torch.arange(start, start + T), non_blocking=True)
         if hidden_in is not None:

@@ -91,7 +91,11 @@ class _Loader:
             self.linear(getattr(m, proj), f"{p}.{proj}")
 
     def moe(self, m: MoE, p: str) -> None:
-        self.param(m.gate.weight, f"{p}.gate.weight", fp32=True)
+        # The router computes in fp32; a BF16 checkpoint's weight stays BF16 (upcast exactly as it is
+        # read), halving the 105 MB per token the 40 routers stream.
+        name = f"{p}.gate.weight"
+        bf16 = self.r.info(name).dtype == "BF16" and self.dtype == torch.bfloat16
+        m.gate.weight.data = self.plain(name, tuple(m.gate.weight.shape), torch.bfloat16 if bf16 else torch.float32)
         self.param(m.gate.expert_bias, f"{p}.gate.expert_bias", fp32=True)
         self.experts(m.experts, f"{p}.experts")
         if m.shared_experts is not None:

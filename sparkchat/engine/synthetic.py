@@ -81,7 +81,8 @@ def build_synthetic(cfg: ModelConfig, device: torch.device | str, dtype: torch.d
         elif isinstance(m, Experts):
             _fill_experts(m, g, device)
         elif isinstance(m, Router):
-            m.weight.normal_(0, H ** -0.5, generator=g)
+            m.weight.data = torch.randn(m.weight.shape, device=device, generator=g).mul_(H ** -0.5).to(
+                torch.bfloat16 if dtype == torch.bfloat16 else torch.float32)  # the release's routers are BF16
             m.expert_bias.zero_()
         elif isinstance(m, KimiDeltaAttention):
             m.A_log.copy_(torch.empty_like(m.A_log).uniform_(1, 16, generator=g).log())

@@ -17,6 +17,11 @@ import triton
 import triton.language as tl
 
 MAX_TOKENS = 8  # longer non-chunked steps go to the torch twin
+# Programs per head and warps, by window size: one token spreads each head over 4 programs (H200:
+# 6.1 µs a layer, against 8.1 µs with one program of 8 warps); verify windows keep one program of
+# 8 warps until measured otherwise (4 warps spill there: 186 µs against 57).
+LAUNCH = {1: (4, 4)}
+DEFAULT_LAUNCH = (1, 8)
 
 
 @triton.jit
@@ -212,7 +217,7 @@ def kda_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tenso
                out_gate: torch.Tensor, conv_state: torch.Tensor, recurrent: torch.Tensor, conv_w: torch.Tensor,
                A_log: torch.Tensor, dt_bias: torch.Tensor, o_norm_w: torch.Tensor, heads: int, head_dim: int,
                safe_gate: bool, lower_bound: float, eps: float, keep_steps: bool, chunked: bool, *,
-               dv_blocks: int = 1, num_warps: int = 8, beta_x: torch.Tensor | None = None,
+               dv_blocks: int | None = None, num_warps: int | None = None, beta_x: torch.Tensor | None = None,
                beta_w: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """kda_core's signature and results, in one launch for T ≤ MAX_TOKENS (else, or chunked, the twin).
     dv_blocks > 1 splits each head's value columns over that many programs (heads × dv_blocks of them).
@@ -220,6 +225,8 @@ def kda_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tenso
     beta_logit None, the kernel computes beta's logits itself."""
     T, D = q.shape
     K = conv_w.shape[1]
+    nb, nw = LAUNCH.get(T, DEFAULT_LAUNCH)
+    dv_blocks, num_warps = dv_blocks or nb, num_warps or nw
     if beta_logit is None:
         assert beta_x is not None and beta_w is not None
         fold = dict(bx_ptr=beta_x.contiguous(), bw_ptr=beta_w.contiguous(), FOLD_B=True, HID=beta_x.shape[1],

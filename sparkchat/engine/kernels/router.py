@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sparkchat.engine.kernels.fp8_gemv import plain_gemv_partials
+from sparkchat.engine.kernels.fp8_gemv import GemvConfig, plain_gemv_partials
 
 
 @triton.jit
@@ -60,19 +60,23 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+ROUTE_WARPS = 1  # one warp: every argmax of the top-k loop is a few shuffles, no shared-memory round trip
+
+
 def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, groups: int, top_groups: int, top_k: int,
-          scaling: float, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+          scaling: float, renormalize: bool, *, num_warps: int | None = None,
+          gemv: GemvConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Same signature and results as nn.moe.route: (ids [T, k] int64, weights [T, k] fp32)."""
     T, E = x.shape[0], weight.shape[0]
     assert E % groups == 0 and (E & (E - 1)) == 0 and (groups & (groups - 1)) == 0, "power-of-two E and groups"
-    assert weight.dtype == torch.float32 and bias.dtype == torch.float32 and bias.shape == (E,)
+    assert weight.dtype in (torch.float32, torch.bfloat16) and bias.dtype == torch.float32 and bias.shape == (E,)
     if T <= 8 and x.dtype == torch.bfloat16 and (x.is_cuda or _interpreting()):
-        logits = plain_gemv_partials(x.contiguous(), weight)  # [S, T, E]: summed below, in order
+        logits = plain_gemv_partials(x.contiguous(), weight, gemv)  # [S, T, E]: summed below, in order
     else:
-        logits = (x.float() @ weight.T).contiguous()[None]
+        logits = (x.float() @ weight.float().T).contiguous()[None]
     ids = torch.empty(T, top_k, dtype=torch.int64, device=x.device)
     w = torch.empty(T, top_k, dtype=torch.float32, device=x.device)
     route_kernel[(T,)](logits, bias, ids, w, float(scaling), E=E, G=groups, TG=top_groups, K=top_k,
                        KP=triton.next_power_of_2(top_k), RENORM=renormalize, T=T, SPLIT=logits.shape[0],
-                       num_warps=4)
+                       num_warps=num_warps or ROUTE_WARPS)
     return ids, w

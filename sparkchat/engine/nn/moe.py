@@ -52,7 +52,7 @@ class Router(nn.Module):
     def __init__(self, hidden: int, experts: int, top_k: int, groups: int, top_groups: int,
                  scaling: float, renormalize: bool) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.zeros(experts, hidden), requires_grad=False)  # fp32
+        self.weight = nn.Parameter(torch.zeros(experts, hidden), requires_grad=False)  # fp32 (BF16 when the checkpoint's is)
         self.expert_bias = nn.Parameter(torch.zeros(experts), requires_grad=False)  # fp32
         self.experts, self.top_k, self.groups, self.top_groups = experts, top_k, groups, top_groups
         self.scaling, self.renormalize = scaling, renormalize
