@@ -43,10 +43,12 @@ from sparkchat.engine.kernels.kda_decode import kda_decode
 from sparkchat.engine.kernels.mla_decode import mla_decode
 from sparkchat.engine.nn.kda import KimiDeltaAttention
 from sparkchat.engine.nn.mla import MultiLatentAttention
-from sparkchat.engine.kernels.fp8_gemv import fp8_block_gemv_swiglu
+from sparkchat.engine.kernels.fp8_gemv import fp8_block_gemv_add_norm, fp8_block_gemv_swiglu
 for m in model.modules():
     if isinstance(m, moe.MLP) and m.down_proj.is_fp8:
         m.swiglu_down = fp8_block_gemv_swiglu
+    if isinstance(m, (KimiDeltaAttention, MultiLatentAttention)) and m.out_proj.is_fp8:
+        m.out_proj.fast_add_norm = fp8_block_gemv_add_norm
     if isinstance(m, moe.MoE):
         m.fast_experts = fastpath.ExpertsKernel(m.experts)
     elif isinstance(m, KimiDeltaAttention):
@@ -67,6 +69,7 @@ pick = fast.argmax(-1)
 gap = ref.amax(-1) - ref.gather(-1, pick[:, None]).squeeze(-1)
 assert bool((gap <= 0.02 * ref.abs().amax(-1)).all()), gap
 assert any(l.fast is not None for l in model.linears())
+assert any(l.fast_add_norm is not None for l in model.linears())
 print("ok", rel)
 """
 

@@ -212,6 +212,21 @@ def test_fp8_block_gemv_swiglu_gpu(N, I, T):
 
 
 @gpu
+@pytest.mark.parametrize("T", [1, 2, 4, 5])
+def test_fp8_block_gemv_add_norm_gpu(T):
+    from sparkchat.engine.kernels.fp8_gemv import fp8_block_gemv_add_norm
+    from sparkchat.engine.nn.ops import add_rms_norm
+    gen = torch.Generator().manual_seed(T)
+    w, si = make_fp8(2560, 4096, "cuda", gen)
+    x = torch.randn(T, 4096, generator=gen).bfloat16().cuda()
+    res = torch.randn(T, 2560, generator=gen).bfloat16().cuda()
+    nw = (torch.rand(2560, generator=gen) + 0.5).bfloat16().cuda()
+    s_ref, h_ref = add_rms_norm(res, ref.fp8_block_gemv_reference(x, w, si), nw, 1e-6)
+    s_got, h_got = fp8_block_gemv_add_norm(x, w, si, res, nw, 1e-6)
+    assert rel_err(s_got, s_ref) < 1e-2 and rel_err(h_got, h_ref) < 1e-2
+
+
+@gpu
 def test_mxfp4_moe_fused_shared_add_rounds_like_torch():
     from sparkchat.engine.kernels.mxfp4_moe import mxfp4_moe
     gen = torch.Generator().manual_seed(5)
@@ -304,6 +319,15 @@ _INTERPRET_SCRIPT = textwrap.dedent("""
         act = swiglu(gu[:, :256].float(), gu[:, 384:640].float(), limit).bfloat16()
         got = fp8_block_gemv_swiglu(gu, 384, limit, wd, wd_si, config=cfg)
         assert rel_err(got, ref.fp8_block_gemv_reference(act, wd, wd_si)) < 1e-2, (limit, cfg)
+    # an output projection with the residual add and RMSNorm after it, rounded as ops.add_rms_norm
+    from sparkchat.engine.kernels.fp8_gemv import fp8_block_gemv_add_norm
+    from sparkchat.engine.nn.ops import add_rms_norm
+    res = torch.randn(3, 136, generator=gen).bfloat16()
+    nw = (torch.rand(136, generator=gen) + 0.5).bfloat16()
+    for cfg in (None, GemvConfig(bn=8, rs=1, bk=256, split=4), GemvConfig(bn=8, rs=1, bk=128, split=2, row_acc=True)):
+        s_ref, h_ref = add_rms_norm(res, ref.fp8_block_gemv_reference(xw, wide, wide_si), nw, 1e-6)
+        s_got, h_got = fp8_block_gemv_add_norm(xw, wide, wide_si, res, nw, 1e-6, config=cfg)
+        assert rel_err(s_got, s_ref) < 1e-2 and rel_err(h_got, h_ref) < 1e-2, cfg
     scale = torch.rand(200, generator=gen) + 0.5
     want = ref.fp8_head_gemv_reference(x, w, scale)
     assert rel_err(fp8_head_gemv(x, w, scale), want) < 1e-5

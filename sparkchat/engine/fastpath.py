@@ -1,7 +1,8 @@
 """The GPU fast path: swap Triton kernels into a loaded model's hot spots, and back out again.
 
 - FP8 block-scaled linears (decode and verify windows) → `fp8_block_gemv`; an MLP's down projection
-  computes the SwiGLU of its gate|up input as it loads it (`fp8_block_gemv_swiglu`);
+  computes the SwiGLU of its gate|up input as it loads it (`fp8_block_gemv_swiglu`); an attention
+  layer's output projection does the residual add and RMSNorm after it (`fp8_block_gemv_add_norm`);
 - routed MXFP4 experts → `mxfp4_moe` (reads only the selected experts' 4-bit weights);
 - the FP8 LM head → `fp8_head_gemv`;
 - the router's group-limited top-k → `route` (one program per token);
@@ -106,12 +107,16 @@ def install(model, *, linears: bool, experts: bool, head: bool) -> None:
     kda_core = None
     if linears:
         from sparkchat.engine.kernels.kda_decode import kda_decode as kda_core
-    swiglu_down = None
+    swiglu_down = add_norm = None
     if linears:
+        from sparkchat.engine.kernels.fp8_gemv import fp8_block_gemv_add_norm as add_norm
         from sparkchat.engine.kernels.fp8_gemv import fp8_block_gemv_swiglu as swiglu_down
     for m in model.modules():
         if isinstance(m, MLP):
             m.swiglu_down = swiglu_down if m.down_proj.is_fp8 and m.down_proj.weight.is_cuda else None
+        if isinstance(m, (KimiDeltaAttention, MultiLatentAttention)):
+            out = m.out_proj
+            out.fast_add_norm = add_norm if out.is_fp8 and out.weight.is_cuda else None
         if isinstance(m, KimiDeltaAttention):
             m.fast_core = kda_core if m.A_log.is_cuda else None
         if isinstance(m, MoE):

@@ -11,7 +11,7 @@ from torch import nn
 
 from sparkchat.engine.config import ModelConfig
 from sparkchat.engine.nn.kda import KDASteps, KimiDeltaAttention
-from sparkchat.engine.nn.linear import FusedLinear, Linear
+from sparkchat.engine.nn.linear import FusedLinear, Linear, project_add_norm
 from sparkchat.engine.nn.mla import MLACache, MultiLatentAttention, Span
 from sparkchat.engine.nn.moe import MLP, MoE
 from sparkchat.engine.nn.norm import RMSNorm
@@ -63,12 +63,13 @@ class DecoderLayer(nn.Module):
             x, h = ops.add_rms_norm(x, pending, norm_in.weight, norm_in.eps)
         steps = None
         if self.is_mla:
-            h = self.attention(h, span, state.mla[self.idx], rotary, absorbed=x.shape[0] <= 8)
+            o = self.attention(h, span, state.mla[self.idx], rotary, absorbed=x.shape[0] <= 8, project_out=False)
         else:
             chunked = x.shape[0] >= CHUNKED_PREFILL_MIN_TOKENS
-            h, steps = self.attention(h, state.kda[self.idx], keep_steps=keep_steps, chunked=chunked)
+            o, steps = self.attention(h, state.kda[self.idx], keep_steps=keep_steps, chunked=chunked,
+                                      project_out=False)
         post = self.post_attention_layernorm
-        x, h = ops.add_rms_norm(x, h, post.weight, post.eps)
+        x, h = project_add_norm(self.attention.out_proj, o, x, post.weight, post.eps)
         return x, self.mlp(h), steps
 
 

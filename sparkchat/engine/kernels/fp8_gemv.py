@@ -3,6 +3,8 @@
 One kernel, `fp8_gemv_kernel`, streams each weight row block once for all T tokens (fp32 FMAs into
 per-lane accumulators reduced once at the end) and has three front ends:
   fp8_block_gemv   128x128 block scales (the release's non-expert linears)  -> bf16 [T, N]
+                   (+ _swiglu: an MLP's down projection computing its SwiGLU input as it loads it;
+                   + _add_norm: an output projection with the residual add and RMSNorm after it)
   fp8_head_gemv    one fp32 scale per row (the FP8 lm_head)                  -> fp32 logits [T, V]
   fp8_head_argmax  same GEMV, greedy argmax fused: each program writes only its (max, index) per
                    token, a second one-program-per-token kernel reduces them -> int64 [T]
@@ -188,6 +190,27 @@ def splitk_reduce_kernel(part_ptr, s_ptr, y_ptr, TN: tl.constexpr, N: tl.constex
 
 
 @triton.jit
+def splitk_add_norm_kernel(part_ptr, res_ptr, nw_ptr, res_out_ptr, h_ptr, eps, N: tl.constexpr,
+                           T: tl.constexpr, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+    """One program per token: y = the SPLIT partials summed in order, rounded to bf16 (the projection's
+    output), then the residual add and RMSNorm that follow it, rounded as ops.add_rms_norm rounds:
+    s = bf16(residual + y); h = w * bf16(s * rsqrt(mean(s²) + eps)). Writes s and h."""
+    t = tl.program_id(0)
+    i = tl.arange(0, BLOCK)
+    m = i < N
+    y = tl.load(part_ptr + t * N + i, mask=m, other=0.0)
+    for p in tl.static_range(1, SPLIT):
+        y += tl.load(part_ptr + (p * T + t) * N + i, mask=m, other=0.0)
+    r = tl.load(res_ptr + t * N + i, mask=m, other=0.0).to(tl.float32)
+    s = (r + y.to(tl.bfloat16).to(tl.float32)).to(tl.bfloat16).to(tl.float32)
+    inv = tl.rsqrt(tl.sum(s * s, axis=0) / N + eps)
+    w = tl.load(nw_ptr + i, mask=m, other=0.0).to(tl.float32)
+    h = (w * (s * inv).to(tl.bfloat16).to(tl.float32)).to(tl.bfloat16)
+    tl.store(res_out_ptr + t * N + i, s.to(tl.bfloat16), mask=m)
+    tl.store(h_ptr + t * N + i, h, mask=m)
+
+
+@triton.jit
 def argmax_reduce_kernel(pmax_ptr, pidx_ptr, out_ptr, NP: tl.constexpr, BLOCK: tl.constexpr):
     """One program per token: the first program holding the max wins (its index is the first max)."""
     t = tl.program_id(0)
@@ -329,6 +352,32 @@ def fp8_block_gemv(
     assert out.shape == (T, N) and out.dtype == torch.bfloat16 and out.is_contiguous()
     _launch(x, w, scale_inv, out, out, out, 0, 0, config or gemv_config("block", T, N, K))
     return out
+
+
+def fp8_block_gemv_add_norm(
+    x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor, residual: torch.Tensor, norm_w: torch.Tensor,
+    eps: float, *, config: GemvConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's output projection and what follows it: s = residual + x @ w.T (bf16), then RMSNorm(s)
+    with weight norm_w -> (s, norm(s)), both bf16 [T, N]: ops.add_rms_norm(residual, fp8_block_gemv(x,
+    w, scale_inv), norm_w, eps) in two launches, the add and the norm done by the split-K reduce."""
+    T, N, K = _check_x_w(x, w)
+    assert scale_inv.dtype == torch.float32 and scale_inv.is_contiguous()
+    assert residual.shape == (T, N) and residual.dtype == torch.bfloat16 and residual.is_contiguous()
+    assert norm_w.shape == (N,) and norm_w.dtype == torch.bfloat16 and norm_w.is_contiguous()
+    cfg = config or gemv_config("block", T, N, K)
+    bk = min(cfg.bk, _pow2(K))
+    assert 128 % (cfg.bn * cfg.rs) == 0, "bn * rs must divide the 128-row scale block"
+    split = _split_for(K, bk, cfg.split)
+    part = torch.empty(split, T, N, dtype=torch.float32, device=x.device)
+    fp8_gemv_kernel[(triton.cdiv(N, cfg.bn * cfg.rs), split)](
+        x, w, scale_inv, part, part, part, T=T, N=N, K=K, BN=cfg.bn, RS=cfg.rs, BK=bk, UNROLL=cfg.unroll,
+        SCALE=0, SPLIT=split, PREFETCH=cfg.prefetch, ROW_ACC=cfg.row_acc, OUT=3, num_warps=cfg.warps)
+    s_out = torch.empty_like(residual)
+    h = torch.empty_like(residual)
+    splitk_add_norm_kernel[(T,)](part, residual, norm_w, s_out, h, float(eps), N=N, T=T, SPLIT=split,
+                                 BLOCK=_pow2(N), num_warps=8)
+    return s_out, h
 
 
 def fp8_block_gemv_swiglu(

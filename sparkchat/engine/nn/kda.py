@@ -111,8 +111,13 @@ class KimiDeltaAttention(nn.Module):
     def input_projections(self) -> list[Linear]:
         return [self.q_proj, self.k_proj, self.v_proj, self.f_proj, self.g_proj]
 
+    @property
+    def out_proj(self) -> Linear:
+        return self.o_proj
+
     def forward(self, x: torch.Tensor, state: KDAState, keep_steps: bool = False,
-                chunked: bool = False) -> tuple[torch.Tensor, KDASteps | None]:
+                chunked: bool = False, project_out: bool = True) -> tuple[torch.Tensor, KDASteps | None]:
+        """(output [T, hidden], kept steps); with project_out=False the output is out_proj's input."""
         q, k, v, f, out_gate = project(self.fused, self.input_projections(), x)
         if chunked:
             core = kda_core if not keep_steps else ops.kda_core  # prefill lengths vary: not compiled
@@ -125,7 +130,7 @@ class KimiDeltaAttention(nn.Module):
                                     state.recurrent, self.conv_weight, self.A_log, self.dt_bias,
                                     self.o_norm_weight, self.heads, self.head_dim, self.safe_gate,
                                     self.lower_bound, self.eps, keep_steps, chunked and not keep_steps, **extra)
-        return self.o_proj(o), (KDASteps(window, rec_steps) if keep_steps else None)
+        return self.o_proj(o) if project_out else o, (KDASteps(window, rec_steps) if keep_steps else None)
 
 
 @register

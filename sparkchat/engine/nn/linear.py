@@ -28,6 +28,8 @@ class Linear(nn.Module):
         self.cache_dense = False  # keep a dequantized copy (CPU: small models run much faster)
         self._dense: torch.Tensor | None = None
         self.fast: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+        # GPU path for an output projection followed by the residual add and RMSNorm (see project_add_norm)
+        self.fast_add_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
 
     @property
     def is_fp8(self) -> bool:
@@ -105,3 +107,15 @@ def project(fused: FusedLinear | None, parts: list[Linear], x: torch.Tensor) -> 
     if fused is None:
         return [p(x) for p in parts]
     return fused.split(fused(x))
+
+
+def project_add_norm(lin: Linear, o: torch.Tensor, residual: torch.Tensor, norm_w: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(residual + lin(o), RMSNorm of that sum): a layer's output projection and the add and norm after
+    it, in one GEMV plus its split-K reduce on the GPU path (`fast_add_norm`), else ops.add_rms_norm."""
+    from sparkchat.engine.nn.ops import ops
+
+    if (lin.fast_add_norm is not None and lin.is_fp8 and o.shape[0] <= GEMV_MAX_TOKENS
+            and residual.dtype == norm_w.dtype == o.dtype == torch.bfloat16):
+        return lin.fast_add_norm(o.contiguous(), lin.weight, lin.weight_scale_inv, residual.contiguous(), norm_w, eps)
+    return ops.add_rms_norm(residual, lin(o), norm_w, eps)

@@ -58,8 +58,13 @@ class MultiLatentAttention(nn.Module):
     def input_projections(self) -> list[Linear]:
         return [self.q_proj, self.kv_a_proj_with_mqa, self.g_proj]
 
+    @property
+    def out_proj(self) -> Linear:
+        return self.dense
+
     def forward(self, x: torch.Tensor, span: Span, cache: MLACache, rotary: RotaryEmbedding,
-                absorbed: bool) -> torch.Tensor:
+                absorbed: bool, project_out: bool = True) -> torch.Tensor:
+        """[T, hidden]; with project_out=False, out_proj's input instead."""
         T = x.shape[0]
         h = self.heads
         q, kv_a, g = project(self.fused, self.input_projections(), x)
@@ -85,8 +90,8 @@ class MultiLatentAttention(nn.Module):
             qh = torch.cat([q_nope, q_rope], dim=-1).transpose(0, 1)  # [h, T, d]
             o = F.scaled_dot_product_attention(qh, k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask,
                                                scale=scale).transpose(0, 1)
-        o = o * gate.unsqueeze(-1)
-        return self.dense(o.reshape(T, h * self.v_dim))
+        o = (o * gate.unsqueeze(-1)).reshape(T, h * self.v_dim)
+        return self.dense(o) if project_out else o
 
 
 @register
