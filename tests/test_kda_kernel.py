@@ -58,7 +58,8 @@ def make_inputs(T, heads, head_dim, K, dtype, device, seed=0):
 def compare(case, device, *, seed=0, perturb=None, fold=False) -> list[str]:
     """Kernel vs twin on one case: the list of mismatches (empty: they agree). perturb names one input
     the kernel alone gets nudged: 'gate' (one f element), 'beta' (one logit), 'norm' (one norm weight)."""
-    from sparkchat.engine.kernels.kda_decode import _COUNTERS, kda_decode
+    from sparkchat.engine.kernels.counters import arrival_counters
+    from sparkchat.engine.kernels.kda_decode import kda_decode
     from sparkchat.engine.nn.kda import kda_core
 
     T, H, DH, safe, keep, nb, K, dtype = case
@@ -127,7 +128,7 @@ def compare(case, device, *, seed=0, perturb=None, fold=False) -> list[str]:
             bad.append(f"{name} off by {rel.max().item():.3g} of its max")
         if not strict and ((rel <= 1e-4).float().mean().item() < 0.95 or rel.max().item() > 1e-2):
             bad.append(f"{name} off by {rel.max().item():.3g} of its max")
-    if nb > 1 and _COUNTERS[o2.device].any():
+    if nb > 1 and arrival_counters("kda_decode", o2.device, 1).any():
         bad.append("arrival counters not reset")
     return bad
 

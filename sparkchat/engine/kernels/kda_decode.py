@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from sparkchat.engine.kernels.counters import arrival_counters
+
 MAX_TOKENS = 8  # longer non-chunked steps go to the torch twin
 # Programs per head and warps, by window size: one token spreads each head over 4 programs (H200:
 # 6.1 µs a layer, against 8.1 µs with one program of 8 warps); verify windows keep one program of
@@ -201,18 +203,6 @@ def kda_decode_kernel(
             tl.atomic_xchg(cnt_ptr + h, 0)  # ready for the next launch
 
 
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-def _counters(device: torch.device, n: int) -> torch.Tensor:
-    """Arrival counters for NB > 1, one buffer per device, kept zero by the kernel itself (allocated by
-    the first call: outside any CUDA graph capture, as the engine warms up before capturing)."""
-    buf = _COUNTERS.get(device)
-    if buf is None or buf.numel() < n:
-        buf = _COUNTERS[device] = torch.zeros(max(n, 64), dtype=torch.int32, device=device)
-    return buf
-
-
 def kda_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor, beta_logit: torch.Tensor,
                out_gate: torch.Tensor, conv_state: torch.Tensor, recurrent: torch.Tensor, conv_w: torch.Tensor,
                A_log: torch.Tensor, dt_bias: torch.Tensor, o_norm_w: torch.Tensor, heads: int, head_dim: int,
@@ -249,7 +239,7 @@ def kda_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tenso
     window = torch.empty(K - 1 + T, 3 * D, dtype=q.dtype, device=q.device)
     steps = (torch.empty(T, heads, head_dim, head_dim, dtype=torch.float32, device=q.device) if keep_steps
              else None)
-    cnt = _counters(q.device, heads) if dv_blocks > 1 else o
+    cnt = arrival_counters("kda_decode", q.device, heads) if dv_blocks > 1 else o
     b = beta_logit if beta_logit is not None else o  # (unread when folded)
     kda_decode_kernel[(heads, dv_blocks)](
         q, k, v, f, b, out_gate, conv_state, recurrent, conv_w, A_log, dt_bias, o_norm_w,

@@ -34,6 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
+from sparkchat.engine.kernels.counters import arrival_counters
+
 _MAG2 = tl.constexpr(0x01C001C0)  # e1 e0 m of two bf16 halves (bits 8:6 of each)
 _SIGN2 = tl.constexpr(-0x7FFF8000)  # 0x80008000 as int32: sign bit of each half
 _HI16 = tl.constexpr(-0x10000)  # 0xFFFF0000
@@ -370,10 +372,12 @@ class MoeWorkspace:
 
 
 def mxfp4_moe_workspace(T: int, K: int, H: int, I: int, device) -> MoeWorkspace:
+    """Scratch for one call shape. The counters are shared by every call (each launch leaves them zero):
+    a fresh zeroed buffer per call cost a fill kernel per MoE layer."""
     return MoeWorkspace(
         act=torch.empty(T * K, I, dtype=torch.float32, device=device),
         part=torch.empty(T * K, H, dtype=torch.float32, device=device),
-        count=torch.zeros(max(1, H // 4), dtype=torch.int32, device=device),
+        count=arrival_counters("mxfp4_moe", device, max(1, H // 4)),
     )
 
 
