@@ -195,6 +195,97 @@ def bench_moe(rec: Recorder, layer, sweep: bool) -> dict:
     return best
 
 
+# ---------------------------------------------------------------- MoE prefill
+def bench_moe_prefill(rec: Recorder, layer, sweep: bool) -> dict:
+    """Routed experts of one layer for a prompt of T = 512, 2048, 8192 tokens at the full shapes: the
+    grouped MXFP4 GEMM (kernels/moe_prefill.py) against the engine's reference path, Experts.forward
+    (per distinct expert: dequantize to bf16, index, two matmuls; it syncs, so it is timed eagerly with
+    events). Uniform random top-8 routing (every expert is hit from T = 512 on), clamp 4, the shared
+    expert's output added. Kernel figures: median over CUDA-graph replays of whole calls, grouping
+    included; stage figures for the best config. Bytes: each distinct expert once, x and add read, the
+    act [T*K, I] and part [T*K, H] bf16 scratch written and read, out written. FLOPs: 2*T*K*3*H*I."""
+    from sparkchat.engine.kernels.moe_prefill import (_Launch, group_by_expert, moe_prefill, prefill_config,
+                                                      sweep_configs)
+    from sparkchat.engine.nn.moe import Experts
+
+    w13, s13, w2, s2 = layer
+    limit = 4.0
+    experts = Experts(E, H, INTER, limit)
+    experts.w13, experts.w13_scale, experts.w2, experts.w2_scale = w13, s13, w2, s2
+
+    def eager_us(fn, reps: int) -> float:
+        fn()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(reps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1e3)
+        return statistics.median(times)
+
+    def timed_us(fn) -> float:
+        try:
+            return graph_us([fn], reps=10)
+        except Exception as e:  # noqa: BLE001 - capture refused (a host sync?): time it eagerly, say so
+            print(f"    CUDA graph capture failed ({type(e).__name__}: {str(e)[:200]}); timing eagerly", flush=True)
+            return eager_us(fn, reps=5)
+
+    best = {}
+    for T in (512, 2048, 8192):
+        gen = torch.Generator(device="cuda").manual_seed(T)
+        ids = torch.rand(T, E, device="cuda", generator=gen).topk(K, dim=-1).indices.to(torch.int32)
+        w = torch.rand(T, K, device="cuda", generator=gen) + 0.1
+        wts = (w / w.sum(-1, keepdim=True) * 2.5).float()
+        x = torch.randn(T, H, device="cuda", generator=gen).bfloat16()
+        add = (torch.randn(T, H, device="cuda", generator=gen) * 0.1).bfloat16()
+        out = torch.empty(T, H, dtype=torch.bfloat16, device="cuda")
+        uniq = int(ids.unique().numel())
+        nbytes = uniq * EXPERT_BYTES + 3 * T * H * 2 + 2 * T * K * (INTER + H) * 2
+        flops = 2 * T * K * 3 * H * INTER
+        want = (experts(x, ids.long(), wts) + add).float()
+        base_us = eager_us(lambda: experts(x, ids.long(), wts) + add, reps=3)
+        cfgs = sweep_configs(T, K, E, H, INTER, "cuda") if sweep else [prefill_config(T, K, E, H, INTER, "cuda")]
+        results = []
+        for cfg in cfgs:
+            try:
+                got = moe_prefill(x, ids, wts, w13, s13, w2, s2, limit, add=add, config=cfg)
+            except Exception as e:  # a config the compiler or the device rejects: report it, keep sweeping
+                print(f"    T={T} cfg {asdict(cfg)}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+                continue
+            err = ((got.float() - want).norm() / want.norm()).item()
+            assert err < 2e-2, f"moe_prefill T={T} {cfg}: relative error {err} against Experts.forward"
+            us = timed_us(lambda cfg=cfg: moe_prefill(x, ids, wts, w13, s13, w2, s2, limit, add=add, out=out,
+                                                      config=cfg))
+            results.append((us, cfg))
+            print(f"    T={T} cfg {asdict(cfg)}: {us:.1f} us, {flops / us / 1e6:.1f} TFLOP/s, "
+                  f"{us / T:.3f} us/token (err {err:.1e})", flush=True)
+        assert results, f"moe_prefill T={T}: every config failed"
+        us, cfg = min(results, key=lambda r: r[0])
+        launch = _Launch(T, K, H, INTER, cfg)
+        blocks = group_by_expert(ids, E, cfg.bm)
+        act = torch.empty(T * K, INTER, dtype=torch.bfloat16, device="cuda")
+        part = torch.empty(T * K, H, dtype=torch.bfloat16, device="cuda")
+        rw = wts.reshape(-1)
+        g_us = timed_us(lambda: group_by_expert(ids, E, cfg.bm))
+        s1_us = timed_us(lambda: launch.stage1(x, blocks, w13, s13, act, limit))
+        s2_us = timed_us(lambda: launch.stage2(act, blocks, rw, w2, s2, part))
+        c_us = timed_us(lambda: launch.combine(part, out, add))
+        best[T] = rec.add(
+            f"moe_prefill T={T}", us, nbytes, tflops=round(flops / us / 1e6, 1), us_per_token=round(us / T, 3),
+            unique_experts=uniq, group_us=round(g_us, 1), stage1_us=round(s1_us, 1),
+            stage1_tflops=round(flops * 2 / 3 / s1_us / 1e6, 1), stage2_us=round(s2_us, 1),
+            stage2_tflops=round(flops / 3 / s2_us / 1e6, 1), combine_us=round(c_us, 1),
+            default_us=round(results[0][0], 1) if results[0][1] == cfgs[0] else None, config=asdict(cfg))
+        rec.add(f"reference Experts.forward T={T}", base_us, nbytes, tflops=round(flops / base_us / 1e6, 2),
+                us_per_token=round(base_us / T, 3), speedup_of_kernel=round(base_us / us, 1))
+        del act, part, blocks, want, out
+        torch.cuda.empty_cache()
+    return best
+
+
 # ---------------------------------------------------------------- FP8 GEMVs
 # The FP8 block-scaled linears of one decode step (N, K, label); fused projections padded as loaded.
 BLOCK_SHAPES = [
@@ -367,7 +458,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", default="bench_kernels.json")
     ap.add_argument("--sweep", action="store_true", help="also time a small list of block-size configs")
-    ap.add_argument("--only", choices=["moe", "fp8", "router", "kda"], default=None)
+    ap.add_argument("--only", choices=["moe", "fp8", "router", "kda", "moe_prefill"], default=None)
     args = ap.parse_args()
     import triton
     assert torch.cuda.is_available(), "needs a CUDA GPU"
@@ -381,6 +472,11 @@ def main() -> None:
     if args.only in (None, "moe"):
         layer = make_layer()
         bench_moe(rec, layer, args.sweep)
+        del layer
+        torch.cuda.empty_cache()
+    if args.only in (None, "moe_prefill"):
+        layer = make_layer()
+        bench_moe_prefill(rec, layer, args.sweep)
         del layer
         torch.cuda.empty_cache()
     if args.only in (None, "fp8"):

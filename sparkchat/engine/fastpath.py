@@ -13,6 +13,7 @@ Each kernel has a pure-torch twin (the modules' own forward), which is what runs
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import torch
@@ -47,8 +48,15 @@ class ExpertsKernel:
                  add: torch.Tensor | None = None) -> torch.Tensor:
         """The routed experts' output, plus `add` (the shared expert's) when given: the kernel adds it
         in its final sum, saving a launch."""
-        if x.shape[0] > self.MAX_TOKENS:
-            out = self.experts(x, ids, weights)  # prefill: the reference path
+        if x.shape[0] > self.MAX_TOKENS:  # prefill: the grouped MXFP4 GEMM (kernels/moe_prefill.py)
+            ex = self.experts
+            if x.dtype == torch.bfloat16 and (x.is_cuda or os.environ.get("TRITON_INTERPRET", "0") == "1"):
+                from sparkchat.engine.kernels.moe_prefill import moe_prefill
+
+                return moe_prefill(x.contiguous(), ids.contiguous(), weights.float().contiguous(), ex.w13,
+                                   ex.w13_scale, ex.w2, ex.w2_scale, ex.limit,
+                                   add=None if add is None else add.contiguous())
+            out = ex(x, ids, weights)  # the reference path
             return out if add is None else out + add
         from sparkchat.engine.kernels.mxfp4_moe import mxfp4_moe
 
