@@ -19,11 +19,10 @@ import triton.language as tl
 from sparkchat.engine.kernels.counters import arrival_counters
 
 MAX_TOKENS = 8  # longer non-chunked steps go to the torch twin
-# Programs per head and warps, by window size: one token spreads each head over 4 programs (H200:
-# 6.1 µs a layer, against 8.1 µs with one program of 8 warps); verify windows keep one program of
-# 8 warps until measured otherwise (4 warps spill there: 186 µs against 57).
-LAUNCH = {1: (4, 4)}
-DEFAULT_LAUNCH = (1, 8)
+# Programs per head and warps (H200 sweep, docs/benchmarks.md): each head's value columns spread over
+# 4 programs of 4 warps — one token 6.0 µs a layer (one program of 8 warps: 8.4 µs), a verify window
+# of 5 with its per-position states 21.8 µs (57 µs; one program of 4 warps spills: 186 µs).
+LAUNCH = (4, 4)
 
 
 @triton.jit
@@ -215,7 +214,7 @@ def kda_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tenso
     beta_logit None, the kernel computes beta's logits itself."""
     T, D = q.shape
     K = conv_w.shape[1]
-    nb, nw = LAUNCH.get(T, DEFAULT_LAUNCH)
+    nb, nw = LAUNCH
     dv_blocks, num_warps = dv_blocks or nb, num_warps or nw
     if beta_logit is None:
         assert beta_x is not None and beta_w is not None
