@@ -29,6 +29,8 @@ SETTINGS_FILE = "settings.toml"
 DEFAULT_MODEL = "inclusionAI/Ling-3.0-flash-fp4"
 DEVICES = ("auto", "cpu", "cuda")  # also "cuda:N"
 MAX_DRAFT_STEPS = 4
+MIN_DRAFT_VOCAB = 64  # rows of the truncated draft head, the chat format's own tokens among them
+_INT_SWITCHES = ("draft_steps", "draft_vocab")  # the other switches are on/off
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 _DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
 
@@ -121,7 +123,7 @@ for _name, _kind in (("model", str), ("device", str), ("dtype", str), ("system_p
                      ("hub_endpoint", str)):
     _SPECS[_name] = _Spec("", _name, _kind)
 for _f in fields(Switches):
-    _SPECS[f"switches.{_f.name}"] = _Spec("switches", _f.name, int if _f.name == "draft_steps" else bool)
+    _SPECS[f"switches.{_f.name}"] = _Spec("switches", _f.name, int if _f.name in _INT_SWITCHES else bool)
 for _name, _kind in (("temperature", float), ("top_p", float), ("top_k", int), ("max_tokens", int),
                      ("seed", int)):
     _SPECS[f"sampling.{_name}"] = _Spec("sampling", _name, _kind, optional=_name == "seed")
@@ -193,6 +195,8 @@ def _range_problem(key: str, v: Any) -> str | None:
         return f"must be an http(s) URL or empty, got {v!r}"
     if key == "switches.draft_steps" and not 1 <= v <= MAX_DRAFT_STEPS:
         return f"must be between 1 and {MAX_DRAFT_STEPS}, got {v}"
+    if key == "switches.draft_vocab" and v < MIN_DRAFT_VOCAB:
+        return f"must be at least {MIN_DRAFT_VOCAB}, got {v}"
     if key.startswith("sampling."):
         problem = sampling_problem(key.split(".", 1)[1], v)  # the same check as `ask` and the app
         return f"{problem}, got {v}" if problem else None

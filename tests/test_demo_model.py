@@ -167,3 +167,104 @@ def test_training_mtp_layer_is_the_engines(tmp_path):
         pe = model.model.rotary_emb(h, torch.arange(n + 1)[None])
         ours_chained = mtp(model.model.embed_tokens(ids[:, 1:n + 2]), hin, pe)[:, -1]
         torch.testing.assert_close(chained, ours_chained, rtol=1e-4, atol=1e-4)
+
+
+def _demo_data():
+    if "demo_data" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("demo_data", ROOT / "tools" / "demo_data.py")
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules["demo_data"] = mod
+        spec.loader.exec_module(mod)
+    return sys.modules["demo_data"]
+
+
+def test_demo_data_third_party_docstrings_are_cleaned():
+    """reST/Sphinx markup becomes plain docstring text, and a C function's first-line signature is taken
+    as its signature, not as text."""
+    dd = _demo_data()
+
+    def add():
+        """add(input, other, *, alpha=1) -> Tensor
+
+        Adds :attr:`other`, scaled by :attr:`alpha`, to ``input`` (see :func:`~torch.sub`).
+
+        .. math::
+            \\text{out}_i = \\text{input}_i + \\text{other}_i
+
+        .. versionadded:: 2.1
+
+        Example::
+
+            >>> torch.add(a, 20)  # doctest: +SKIP
+        """
+
+    doc, sig = dd._pkg_doc(add, "add")
+    assert sig == "(input, other, *, alpha=1) -> Tensor"
+    assert doc.startswith("Adds `other`, scaled by `alpha`, to `input` (see `sub`).")
+    assert "math" not in doc and "\\text" not in doc and "doctest" not in doc
+    assert "New in version 2.1." in doc and "Example:\n\n    >>> torch.add(a, 20)" in doc
+    # a C function has no inspectable signature: the one from its docstring names it
+    assert dd._pkg_signature(object(), "torch.add", "add", sig) == "torch.add(input, other, *, alpha=1) -> Tensor"
+    item = dd._pkg_function("torch.add", "add", add, "torch", "torch")
+    assert item.chunks[0].startswith("`torch.add()` is a function in the `torch` module.\n\nAdds `other`")
+    assert item.source == "torch" and item.kind == "function"
+
+
+def test_demo_data_takes_only_permissive_dependencies():
+    dd = _demo_data()
+    mit = dd.Package("x", ("x",), "MIT")
+    assert dd.licence_ok(mit, "MIT; MIT License")
+    assert not dd.licence_ok(mit, "MPL-2.0 AND MIT")  # tqdm
+    assert not dd.licence_ok(mit, "BSD-3-Clause")
+    assert not dd.licence_ok(dd.Package("x", ("x",), "GPL-3.0"), "GPL-3.0")
+    deps = dd._dependency_closure(ROOT)
+    assert {"jinja2", "rich", "textual", "pytest"} <= deps and "sparkchat" not in deps
+    for pkg in dd.PACKAGES:
+        assert pkg.licence.startswith(dd._PERMISSIVE), pkg.dist
+
+
+def test_demo_data_short_answers_restate_the_name():
+    """The short examples answer with the header that names the asked object (and maybe one sentence)."""
+    import random
+
+    dd = _demo_data()
+    item = dd.DocItem("rich.text.Text.copy", "method", "rich.text.Text.copy",
+                      ["`rich.text.Text.copy(self) -> Text` is a method of `rich.text.Text`.\n\nReturn a copy "
+                       "of this instance. The copy shares no state.\n\nArgs:\n    none."],
+                      "The user asks about rich.text.Text.copy, a method of the rich.text.Text class. I will "
+                      "explain what it does.", source="rich")
+    rng = random.Random(0)
+    for _ in range(20):
+        ex = dd._short_example(item, rng)
+        answer = ex.completion.split("</think>")[-1].strip()
+        assert answer.startswith("`rich.text.Text.copy(self) -> Text` is a method of `rich.text.Text`.")
+        assert answer.endswith("<|role_end|>") and "Args" not in answer
+        assert "rich.text.Text.copy" in ex.messages[-1]["content"]
+    train, valid, test = dd.split_items([item])
+    assert len(train) + len(valid) + len(test) == 1
+
+
+def test_training_rows_pack_whole_examples(tmp_path):
+    import numpy as np
+
+    td = _train_demo()
+    tokens = np.arange(100, 100 + 30, dtype=np.uint16)
+    index = np.array([[0, 2, 5], [5, 3, 10], [15, 1, 4], [19, 2, 11]], dtype=np.int64)  # (start, prompt, length)
+    np.savez(tmp_path / "s.npz", tokens=tokens, index=index)
+    split = td.Split(tmp_path / "s.npz")
+    ids, w = split.rows([1, 0, 2, 3], seq_len=16, pad=6)
+    assert ids.shape == (2, 16)  # [ex1 + ex0 (15 tokens)] [ex2 + ex3 (15 tokens)]
+    assert ids[0, :10].tolist() == list(range(105, 115)) and ids[0, 10:15].tolist() == list(range(100, 105))
+    assert ids[0, 15] == 6 and ids[1, :4].tolist() == list(range(115, 119))
+    assert w[0, :10].tolist() == [0.0] * 3 + [1.0] * 7 and w[0, 10:15].tolist() == [0.0] * 2 + [1.0] * 3
+    assert w[0, 15] == 0 and w[1].sum() == 3 + 9
+
+
+def test_eval_counts_answers_that_name_the_asked_object():
+    td = _train_demo()
+    rec = {"key": "json.dumps", "name": "json.dumps", "kind": "function"}
+    assert td._names_the_object(rec, "`json.dumps(obj, *, skipkeys=False)` is a function in the `json` module.")
+    assert td._names_the_object(rec, "The user asks about json.dumps.\n</think>\n\n`json.dumps(obj)` is ...")
+    assert not td._names_the_object(rec, "`json.loads(s)` is a function in the `json` module.")
+    assert td._names_the_object({"key": "module:json"}, "`json` is a module of the Python standard library.")
+    assert td._names_the_object({"key": "topic:with"}, "anything") is None

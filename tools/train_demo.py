@@ -2,7 +2,7 @@
 group-limited routing, expert bias and a shared expert, plus the MTP layer) on Python's own documentation.
 
     python tools/demo_data.py build/demo/data                                    # data + tokenizer (CPU)
-    python tools/train_demo.py train --data build/demo/data --ckpt build/demo/ckpt --minutes 8
+    python tools/train_demo.py train --data build/demo/data --ckpt build/demo/ckpt --minutes 8.5 --device cuda
     python tools/train_demo.py train ... --resume                                # continue a checkpoint
     python tools/train_demo.py export --data build/demo/data --ckpt build/demo/ckpt --out assets/demo
     python tools/train_demo.py eval --model assets/demo --data build/demo/data   # figures for the docs
@@ -171,15 +171,16 @@ class BiasBalancer:
         return hook
 
     @torch.no_grad()
-    def step(self) -> float:
-        """Update every bias; returns the worst max/mean load ratio seen (1.0 = perfectly balanced)."""
-        worst = 1.0
+    def step(self) -> torch.Tensor | None:
+        """Update every bias; returns the worst max/mean load ratio seen (1.0 = perfectly balanced) as a
+        tensor, so that the step does not wait for the GPU (a router that saw no tokens is left alone:
+        sign(0 - 0) = 0)."""
+        worst = None
         for r, c in zip(self.routers, self.counts):
-            if c.sum() == 0:
-                continue
             mean = c.mean()
             r.e_score_correction_bias += self.rate * torch.sign(mean - c)
-            worst = max(worst, float(c.max() / mean))
+            ratio = c.max() / mean.clamp_min(1e-9)
+            worst = ratio if worst is None else torch.maximum(worst, ratio)
             c.zero_()
         return worst
 
@@ -242,24 +243,25 @@ class Split:
 
     def rows(self, order: list[int], seq_len: int, pad: int) -> tuple[np.ndarray, np.ndarray]:
         """Pack whole examples, in order, into rows of seq_len (each row starts with an example)."""
-        rows, weights = [], []
-        cur, cw = [], []
-        for i in order:
-            start, plen, n = self.index[i]
-            if n > seq_len:
-                continue
-            if cur and len(cur) + n > seq_len:
-                rows.append(cur), weights.append(cw)
-                cur, cw = [], []
-            cur.extend(self.tokens[start:start + n].tolist())
-            cw.extend([0.0] * plen + [1.0] * (n - plen))
-        if cur:
-            rows.append(cur), weights.append(cw)
-        ids = np.full((len(rows), seq_len), pad, dtype=np.int64)
-        wt = np.zeros((len(rows), seq_len), dtype=np.float32)
-        for r, (a, b) in enumerate(zip(rows, weights)):
-            ids[r, : len(a)] = a
-            wt[r, : len(b)] = b
+        idx = self.index[np.asarray(order, dtype=np.int64)].reshape(-1, 3)
+        idx = idx[idx[:, 2] <= seq_len]
+        starts, plens, lens = idx[:, 0], idx[:, 1], idx[:, 2]
+        row_of = np.empty(len(lens), dtype=np.int64)
+        col_of = np.empty(len(lens), dtype=np.int64)
+        r, used = 0, 0
+        for k, n in enumerate(lens.tolist()):  # greedy, in order: a row ends where the next example won't fit
+            if used and used + n > seq_len:
+                r, used = r + 1, 0
+            row_of[k], col_of[k] = r, used
+            used += n
+        n_rows = r + 1 if len(lens) else 0
+        ids = np.full((n_rows, seq_len), pad, dtype=np.int64)
+        wt = np.zeros((n_rows, seq_len), dtype=np.float32)
+        ex = np.repeat(np.arange(len(lens)), lens)  # every token's example
+        pos = np.arange(int(lens.sum())) - np.repeat(np.cumsum(lens) - lens, lens)  # its place in the example
+        dst = row_of[ex] * seq_len + col_of[ex] + pos
+        ids.reshape(-1)[dst] = self.tokens[starts[ex] + pos]
+        wt.reshape(-1)[dst] = (pos >= plens[ex]).astype(np.float32)
         return ids, wt
 
 
@@ -274,9 +276,11 @@ def lr_at(progress: float, peak: float, warmup: float = 0.03, floor: float = 0.1
 
 
 @torch.no_grad()
-def evaluate(model, mtp, split: Split, seq_len: int, pad: int, device, batch: int, depth: int) -> dict[str, float]:
+def evaluate(model, mtp, split: Split, seq_len: int, pad: int, device, batch: int, depth: int,
+             most: int = 0) -> dict[str, float]:
+    """Losses and accuracies on the answer tokens of split's first `most` examples (0: all of them)."""
     model.eval(), mtp.eval()
-    ids_all, w_all = split.rows(list(range(len(split))), seq_len, pad)
+    ids_all, w_all = split.rows(list(range(min(len(split), most) if most else len(split))), seq_len, pad)
     sums: dict[str, float] = {}
     count = 0.0
     for b in range(0, len(ids_all), batch):
@@ -332,6 +336,8 @@ def train(args: argparse.Namespace) -> None:
         log.write(msg + "\n")
         log.flush()
 
+    if not args.batch:  # one step takes 48 rows × 1,024 tokens on a GPU (about 72 GB of activations)
+        args.batch = 48 if device.type == "cuda" else 4
     data = Path(args.data)
     meta_data = json.loads((data / "meta.json").read_text())
     train_split, valid_split = Split(data / "train.npz"), Split(data / "valid.npz")
@@ -351,11 +357,16 @@ def train(args: argparse.Namespace) -> None:
     model.train(), mtp.train()
     n_params = sum(p.numel() for p in model.parameters()) + sum(p.numel() for p in mtp.parameters())
     say(f"device {device} · params {n_params / 1e6:.2f} M · spec {json.dumps(asdict(spec))}")
+    say(f"data {data}: {len(train_split)} training examples, {train_split.answer_tokens / 1e6:.2f} M answer "
+        f"tokens; batches of {args.batch} rows × {args.seq_len} tokens; validation on "
+        f"{min(len(valid_split), args.valid_examples or len(valid_split))} examples every {args.eval_every:.0f} s")
     opt = torch.optim.AdamW(_param_groups(model, mtp, args.weight_decay), lr=args.lr, betas=(0.9, 0.95),
                             eps=1e-8, fused=device.type == "cuda")
     if ck is not None and ck.get("opt") is not None:
         opt.load_state_dict(ck["opt"])
     balancer = BiasBalancer(routers(model, mtp), args.bias_rate)
+    params = list(model.parameters()) + list(mtp.parameters())
+    oom_error = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
     total_tokens = args.epochs * train_split.answer_tokens
     total_s = (args.total_minutes or args.minutes) * 60
     t_run = time.perf_counter()
@@ -367,10 +378,13 @@ def train(args: argparse.Namespace) -> None:
         random.Random(1000 * args.seed + meta["epoch"]).shuffle(order)  # each epoch's order, fixed
         ids_np, w_np = train_split.rows(order, args.seq_len, pad)
         perm = np.random.default_rng(args.seed + meta["epoch"]).permutation(len(ids_np))
-        ids_all = torch.from_numpy(ids_np[perm]).to(device)
-        w_all = torch.from_numpy(w_np[perm]).to(device)
+        ids_np, w_np = ids_np[perm], w_np[perm]
+        row_tokens = w_np[:, 1:].sum(1)  # answer tokens each row trains (counted here: no GPU sync per step)
+        ids_all = torch.from_numpy(ids_np).to(device)
+        w_all = torch.from_numpy(w_np).to(device)
         # a resumed run continues the same epoch order where the last one stopped
-        for b in range(meta.get("next_row", 0), len(ids_all) - args.batch + 1, args.batch):
+        b = meta.get("next_row", 0)
+        while b + args.batch <= len(ids_all):
             elapsed = time.perf_counter() - t_run
             progress = max(meta["tokens"] / total_tokens, (meta["train_s"] + elapsed) / total_s)
             if progress >= 1 or elapsed >= run_s or (args.max_steps and meta["step"] >= args.max_steps):
@@ -379,16 +393,34 @@ def train(args: argparse.Namespace) -> None:
             lr = lr_at(progress, args.lr)
             for g in opt.param_groups:
                 g["lr"] = lr
-            out = losses(model, mtp, ids_all[b:b + args.batch], w_all[b:b + args.batch], args.mtp_depth)
-            opt.zero_grad(set_to_none=True)
-            out["total"].backward()
+            oom = False
+            try:
+                out = losses(model, mtp, ids_all[b:b + args.batch], w_all[b:b + args.batch], args.mtp_depth)
+                opt.zero_grad(set_to_none=True)
+                out["total"].backward()
+            except oom_error:
+                if args.batch <= 1:
+                    raise
+                oom = True
+            if oom:  # outside the except block, so that the failed step's tensors are freed
+                out = None
+                opt.zero_grad(set_to_none=True)
+                for c in balancer.counts:
+                    c.zero_()
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+                args.batch //= 2
+                say(f"out of memory at step {meta['step'] + 1}: batches of {args.batch} rows from now on")
+                continue
             out = {k: v.detach() for k, v in out.items()}
-            gnorm = torch.nn.utils.clip_grad_norm_(list(model.parameters()) + list(mtp.parameters()), 1.0)
+            gnorm = torch.nn.utils.clip_grad_norm_(params, 1.0)
             opt.step()
             imbalance = balancer.step()
             meta["step"] += 1
             meta["next_row"] = b + args.batch
-            meta["tokens"] += int(out["n"])
+            meta["tokens"] += int(row_tokens[b:b + args.batch].sum())
+            meta["batch"] = args.batch
+            b += args.batch
             now = time.perf_counter()
             if now - t_log >= args.log_every or meta["step"] <= 2:
                 t_log = now
@@ -396,7 +428,8 @@ def train(args: argparse.Namespace) -> None:
                     f"loss {float(out['main']):.3f} acc {float(out['main_acc']):.3f} "
                     + " ".join(f"mtp{d} {float(out[f'mtp{d}']):.3f}/{float(out[f'mtp{d}_acc']):.3f}"
                                for d in range(1, args.mtp_depth + 1))
-                    + f" gnorm {float(gnorm):.2f} load {imbalance:.2f} {now - t_run:.0f}s")
+                    + f" gnorm {float(gnorm):.2f} load {max(1.0, float(imbalance or 1.0)):.2f} "
+                    f"{meta['tokens'] / 1e6:.1f} M tok {now - t_run:.0f}s")
             if now - t_eval >= args.eval_every:
                 t_eval = now
                 _eval_and_keep(model, mtp, valid_split, spec, args, device, pad, meta, ckdir, say,
@@ -415,7 +448,7 @@ def train(args: argparse.Namespace) -> None:
 
 
 def _eval_and_keep(model, mtp, split, spec, args, device, pad, meta, ckdir, say, train_s) -> None:
-    res = evaluate(model, mtp, split, args.seq_len, pad, device, args.batch, args.mtp_depth)
+    res = evaluate(model, mtp, split, args.seq_len, pad, device, args.batch, args.mtp_depth, args.valid_examples)
     say("valid " + " ".join(f"{k} {v:.3f}" for k, v in res.items()))
     best = meta.get("best_valid")
     if best is None or res["main"] < best["main"]:
@@ -550,31 +583,57 @@ def unpack(src: Path, stem: str, dst: Path) -> None:
 # --- evaluation through the engine ------------------------------------------------------------
 
 
+def _names_the_object(record: dict[str, Any], text: str) -> bool | None:
+    """Whether an answer's first line (after any thought) names the object the prompt asked about, as the
+    training answers do ("`json.dumps(obj, ...)` is a function ..."); None for topics."""
+    kind = record.get("kind") or ("topic" if record["key"].startswith("topic:") else
+                                  "module" if record["key"].startswith("module:") else "object")
+    if kind == "topic":
+        return None
+    name = record.get("name") or record["key"].split(":", 1)[-1]
+    first = text.split("</think>")[-1].strip().split("\n", 1)[0]
+    return f"`{name}`" in first or f"`{name}(" in first
+
+
 def engine_eval(model_dir: Path, data: Path, n_samples: int = 5, n_accept: int = 20,
-                max_tokens: int = 160) -> dict[str, Any]:
-    """Held-out perplexity (the engine's loaded, quantized model), sample answers and the MTP accept length
-    at temperature 0, with thinking off and on."""
+                max_tokens: int = 160, max_test: int = 0, prompt_source: str = "any") -> dict[str, Any]:
+    """Held-out perplexity (the engine's loaded, quantized model; overall and per data source), sample
+    answers, how often an answer names the asked object, and the MTP accept length at temperature 0, with
+    thinking off and on. prompt_source: take the prompts from "any" source (the file's order: the
+    standard library first), only "python" or only third-party "packages"."""
     from sparkchat.engine.events import SamplingParams
     from sparkchat.engine.session import Engine
     from sparkchat.engine.state import ConversationState
 
     eng = Engine.load(model_dir, device="cpu")
     test = Split(data / "test.npz")
-    nll, count = 0.0, 0
-    for start, plen, n in test.index.tolist():
+    sources = json.loads((data / "meta.json").read_text()).get("sources", ["python"])
+    z = np.load(data / "test.npz")
+    src = z["source"] if "source" in z.files else np.zeros(len(test), dtype=np.uint8)
+    sums: dict[str, list[float]] = {}
+    rows = test.index.tolist()[:max_test] if max_test else test.index.tolist()
+    for (start, plen, n), s in zip(rows, src.tolist()):
         ids = test.tokens[start:start + n].tolist()
         state = ConversationState.allocate(eng.config, n + 1, "cpu", torch.float32)
         h, _ = eng.model(torch.tensor(ids), 0, state)
         logits = eng.model.lm_head(h)
-        ce = F.cross_entropy(logits[plen - 1:n - 1], torch.tensor(ids[plen:n]), reduction="sum")
-        nll += float(ce)
-        count += int(n - plen)
+        ce = float(F.cross_entropy(logits[plen - 1:n - 1], torch.tensor(ids[plen:n]), reduction="sum"))
+        for group in ("all", "python" if sources[s] == "python" else "packages"):
+            acc = sums.setdefault(group, [0.0, 0])
+            acc[0] += ce
+            acc[1] += int(n - plen)
     prompts = [json.loads(line) for line in (data / "test.jsonl").read_text().splitlines()]
+    if prompt_source != "any":
+        prompts = [p for p in prompts if (p.get("source", "python") == "python") == (prompt_source == "python")]
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    nll, count = sums["all"]
     result: dict[str, Any] = {"test_answer_tokens": count, "test_ppl": math.exp(nll / count),
-                              "accept_prompts": n_accept, "max_tokens": max_tokens}
+                              "test_ppl_by_source": {g: {"ppl": math.exp(a / b), "answer_tokens": b}
+                                                     for g, (a, b) in sums.items() if g != "all"},
+                              "accept_prompts": n_accept, "prompt_source": prompt_source, "max_tokens": max_tokens}
     for thinking in (False, True):
         samples, accepted, steps, gen, stopped = [], 0.0, 0.0, 0, 0
+        named, nameable = 0, 0
         for i, p in enumerate(prompts[:max(n_samples, n_accept)]):
             eng.reset()
             ids = eng.tokenizer.encode_chat(p["messages"], enable_thinking=thinking)
@@ -582,6 +641,11 @@ def engine_eval(model_dir: Path, data: Path, n_samples: int = 5, n_accept: int =
             for ev in eng.generate_ids(ids, params):
                 text += ev.text
                 stats, finish = ev.stats, ev.finish_reason
+            if i < n_accept:
+                ok = _names_the_object(p, text)
+                if ok is not None:
+                    named += ok
+                    nameable += 1
             if i < n_accept and stats.accept_length_mean:
                 # every token after the first comes from a verify step: pool them over all answers
                 accepted += stats.generated_tokens - 1
@@ -594,7 +658,8 @@ def engine_eval(model_dir: Path, data: Path, n_samples: int = 5, n_accept: int =
                                 "accept_length": stats.accept_length_mean})
         mode = "thinking" if thinking else "no_thinking"
         result[mode] = {"accept_length_mean": accepted / steps if steps else None, "generated_tokens": gen,
-                        "answers_ended_by_the_model": stopped, "samples": samples}
+                        "answers_ended_by_the_model": stopped,
+                        "answers_naming_the_asked_object": f"{named}/{nameable}", "samples": samples}
     return result
 
 
@@ -610,7 +675,9 @@ def main() -> None:
     t.add_argument("--resume", action="store_true")
     t.add_argument("--tiny", action="store_true", help="a tiny shape for CPU debugging")
     t.add_argument("--device", default="auto")
-    t.add_argument("--batch", type=int, default=16)
+    t.add_argument("--batch", "--batch-rows", dest="batch", type=int, default=0,
+                   help="rows of --seq-len tokens per step (default: 48 on a GPU, 4 on the CPU); halved by "
+                        "itself if a step runs out of GPU memory")
     t.add_argument("--seq-len", type=int, default=1024)
     t.add_argument("--lr", type=float, default=2e-3)
     t.add_argument("--weight-decay", type=float, default=0.1)
@@ -620,6 +687,8 @@ def main() -> None:
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--log-every", type=float, default=10.0, help="seconds")
     t.add_argument("--eval-every", type=float, default=60.0, help="seconds")
+    t.add_argument("--valid-examples", type=int, default=512,
+                   help="validate on the first N validation examples (0: all), the same ones every time")
     t.add_argument("--ckpt-every", type=float, default=120.0, help="seconds")
     e = sub.add_parser("export", help="write the release-format model directory")
     e.add_argument("--ckpt", type=Path, required=True, help="a checkpoint file, or a folder holding best.pt")
@@ -637,6 +706,9 @@ def main() -> None:
     v.add_argument("--data", type=Path, required=True)
     v.add_argument("--samples", type=int, default=5)
     v.add_argument("--accept-prompts", type=int, default=20)
+    v.add_argument("--max-test", type=int, default=0, help="perplexity on the first N test examples (0: all)")
+    v.add_argument("--prompt-source", choices=("any", "python", "packages"), default="any",
+                   help="where the sample and accept-length prompts come from")
     args = ap.parse_args()
     if args.cmd == "train":
         train(args)
@@ -648,7 +720,8 @@ def main() -> None:
     elif args.cmd == "unpack":
         unpack(args.src, args.stem, args.out)
     else:
-        print(json.dumps(engine_eval(args.model, args.data, args.samples, args.accept_prompts), indent=2))
+        print(json.dumps(engine_eval(args.model, args.data, args.samples, args.accept_prompts,
+                                     max_test=args.max_test, prompt_source=args.prompt_source), indent=2))
 
 
 if __name__ == "__main__":

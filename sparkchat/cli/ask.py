@@ -22,6 +22,11 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-steps", type=int, default=None, metavar="N", help="MTP draft tokens per step, 1-4")
     p.add_argument("--fp8-head", action=argparse.BooleanOptionalAction, default=None,
                    help="FP8 LM head quantized online (default: on with CUDA)")
+    p.add_argument("--truncated-draft-head", action=argparse.BooleanOptionalAction, default=None,
+                   help="MTP drafts over the most frequent tokens only; the verify keeps the full head "
+                        "(default: on with CUDA)")
+    p.add_argument("--draft-vocab", type=int, default=None, metavar="N",
+                   help="tokens the truncated draft head covers (default 32768)")
     p.add_argument("--mxfp4-kernels", action=argparse.BooleanOptionalAction, default=None,
                    help="Triton MXFP4 expert kernels (default: on with CUDA)")
 
@@ -64,11 +69,14 @@ def sampling_from(args: argparse.Namespace):
     """The sampling flags as SamplingParams; ValueError (one line) for a flag out of range, checked
     before any model loads (the draft-steps flag too)."""
     from sparkchat.engine.events import SamplingParams
-    from sparkchat.settings import MAX_DRAFT_STEPS
+    from sparkchat.settings import MAX_DRAFT_STEPS, MIN_DRAFT_VOCAB
 
     steps = getattr(args, "draft_steps", None)
     if steps is not None and not 1 <= steps <= MAX_DRAFT_STEPS:
         raise ValueError(f"--draft-steps must be between 1 and {MAX_DRAFT_STEPS}, got {steps}")
+    vocab = getattr(args, "draft_vocab", None)
+    if vocab is not None and vocab < MIN_DRAFT_VOCAB:
+        raise ValueError(f"--draft-vocab must be at least {MIN_DRAFT_VOCAB}, got {vocab}")
     p = SamplingParams()
     for name in ("temperature", "top_p", "top_k", "seed", "max_tokens"):
         value = getattr(args, name, None)
@@ -86,7 +94,7 @@ def load_engine(args: argparse.Namespace, progress=None):
     engine = Engine.load(model_dir, device=args.device or "auto", dtype=args.dtype or "auto",
                          max_context=args.max_context or 8192, progress=progress)
     sw = engine.switches
-    for name in ("mtp", "draft_steps", "fp8_head", "mxfp4_kernels"):
+    for name in ("mtp", "draft_steps", "fp8_head", "mxfp4_kernels", "truncated_draft_head", "draft_vocab"):
         value = getattr(args, name, None)
         if value is not None:
             setattr(sw, name, value)

@@ -27,6 +27,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--context", type=int, default=1024, help="tokens already in the context (default 1024)")
     p.add_argument("--iters", type=int, default=20, help="timed steps per configuration (median)")
     p.add_argument("--draft-steps", type=int, default=3, help="MTP draft steps (1-4, default 3)")
+    p.add_argument("--truncated-draft-head", action=argparse.BooleanOptionalAction, default=True,
+                   help="the MTP row drafts through a head over the most frequent tokens only; the draft step "
+                        "with the full head is timed beside it (default on)")
+    p.add_argument("--draft-vocab", type=int, default=None, metavar="N",
+                   help="rows of the truncated draft head (default 32768)")
     p.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=True,
                    help="replay decode/draft/verify steps as CUDA graphs (default on)")
     p.add_argument("--prefill", type=int, default=0, metavar="N",
@@ -39,8 +44,14 @@ def run(args: argparse.Namespace) -> int:
     from sparkchat.cli import EXIT_USAGE, fail
 
     _persistent_compile_cache()
+    from sparkchat.engine.draft_vocab import DEFAULT_DRAFT_VOCAB
+    from sparkchat.settings import MIN_DRAFT_VOCAB
+
     if args.context < 1 or args.iters < 1 or not 1 <= args.draft_steps <= 4:
         return fail("--context and --iters must be positive, --draft-steps 1-4", EXIT_USAGE)
+    if args.draft_vocab is not None and args.draft_vocab < MIN_DRAFT_VOCAB:
+        return fail(f"--draft-vocab must be at least {MIN_DRAFT_VOCAB}", EXIT_USAGE)
+    draft_vocab = (args.draft_vocab or DEFAULT_DRAFT_VOCAB) if args.truncated_draft_head else None
     t0 = time.perf_counter()
     import torch
 
@@ -52,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
         from sparkchat.engine.nn.ops import enable_compile
 
         enable_compile()
-    accept = None
+    accept = accept_full = rows = coverage = None
     if args.model:
         from sparkchat.cli.resolve import resolve_model
         from sparkchat.engine.session import Engine
@@ -60,7 +71,14 @@ def run(args: argparse.Namespace) -> int:
         room = max(args.context, args.prefill) + 256
         engine = Engine.load(resolve_model(args.model), device=str(device), max_context=room)
         model, source = engine.model, f"model {engine.name}"
-        accept = measure_accept_length(engine, args.draft_steps)
+        accept = accept_full = measure_accept_length(engine, args.draft_steps, truncated=False)
+        if draft_vocab and model.mtp is not None and (rows := engine.draft_rows(draft_vocab)) is not None:
+            emitted: list[int] = []
+            accept = measure_accept_length(engine, args.draft_steps, truncated=True, draft_vocab=draft_vocab,
+                                           tokens_out=emitted)
+            kept = set(rows)
+            coverage = sum(t in kept for t in emitted) / len(emitted) if emitted else None
+            source += f" (draft vocabulary ranked by {engine.draft_ranking_source})"
     else:
         from sparkchat.engine.synthetic import build_synthetic, synthetic_config
 
@@ -82,10 +100,11 @@ def run(args: argparse.Namespace) -> int:
     progress = None if args.json else (lambda name: print(f"  measuring {name} …", file=sys.stderr))
     triton_cache_warm = _triton_cache_warm()
     result = run_bench(model, context=args.context, iters=args.iters, draft_steps=args.draft_steps,
-                       graphs=args.graphs, accept_length=accept, prefill=args.prefill, progress=progress)
+                       graphs=args.graphs, accept_length=accept, prefill=args.prefill, progress=progress,
+                       draft_vocab=draft_vocab, draft_rows=rows, accept_length_full_head=accept_full)
     out = result.to_dict()
     out.update(source=source, load_s=loaded_s, total_s=time.perf_counter() - t0,
-               triton_cache="warm" if triton_cache_warm else "cold")
+               triton_cache="warm" if triton_cache_warm else "cold", draft_vocab_coverage=coverage)
     if args.json:
         print(json.dumps(out))
     else:
@@ -104,20 +123,31 @@ def _triton_cache_warm() -> bool:
     return cache.is_dir() and any(cache.iterdir())
 
 
-def measure_accept_length(engine, draft_steps: int) -> float | None:
-    """Mean MTP accept length at temperature 0 over a few prompts (real weights only)."""
-    from sparkchat.engine.events import SamplingParams, Switches
+def measure_accept_length(engine, draft_steps: int, *, truncated: bool | None = None,
+                          draft_vocab: int | None = None, tokens_out: list[int] | None = None) -> float | None:
+    """Mean MTP accept length at temperature 0 over a few prompts (real weights only); `truncated` and
+    `draft_vocab` set the truncated draft head (None: as the engine has it); the answers' token ids
+    are appended to `tokens_out` when given."""
+    from dataclasses import replace
+
+    from sparkchat.engine.events import SamplingParams
 
     if engine.model.mtp is None:
         return None
-    engine.set_switches(Switches(mtp=True, draft_steps=draft_steps, fp8_head=engine.switches.fp8_head,
-                                 mxfp4_kernels=engine.switches.mxfp4_kernels, cuda_graphs=engine.switches.cuda_graphs))
+    sw = replace(engine.switches, mtp=True, draft_steps=draft_steps)
+    if truncated is not None:
+        sw.truncated_draft_head = truncated
+    if draft_vocab is not None:
+        sw.draft_vocab = draft_vocab
+    engine.set_switches(sw)
     lengths = []
     for prompt in ACCEPT_PROMPTS:
         engine.reset()
         stats = None
         for event in engine.generate([{"role": "user", "content": prompt}], SamplingParams(max_tokens=128)):
             stats = event.stats
+            if tokens_out is not None:
+                tokens_out.extend(event.token_ids)
         if stats is not None and stats.accept_length_mean is not None:
             lengths.append(stats.accept_length_mean)
     engine.reset()
@@ -145,6 +175,15 @@ def format_table(r: dict) -> str:
         lines.append(f"verify of {r['draft_steps'] + 1} tokens: {r['verify_pct_read_bw']:.1f}% of read BW with random routing; "
                      f"with half the experts repeated between neighbours {r['verify_correlated_ms']:.2f} ms = "
                      f"{r['verify_correlated_decode_ratio']:.2f}× decode, {r['verify_correlated_pct_read_bw']:.1f}% of read BW")
+    if r.get("draft_vocab") is not None:
+        lines.append(f"draft head top {r['draft_vocab']:,} tokens: {r['draft_head_bytes'] / 1e6:.1f} MB per draft "
+                     f"step, draft step {r['draft_step_ms']:.2f} ms; full head {r['draft_head_full_bytes'] / 1e6:.1f} MB, "
+                     f"draft step {r['draft_step_full_head_ms']:.2f} ms; MTP per token "
+                     f"{r['mtp_full_head_tpot_ms']:.2f} ms with the full head at accept length "
+                     f"{r['accept_length_full_head']:.2f}")
+        if r.get("draft_vocab_coverage") is not None:
+            lines.append(f"the draft vocabulary holds {100 * r['draft_vocab_coverage']:.1f}% of the tokens the model "
+                         f"emitted while its accept length was measured")
     lines.append("* Spark: a projection, not a measurement — bytes per token at the DGX Spark's 234 GB/s "
                  "read bandwidth, times the efficiency measured here.")
     if r["prefill_ms_per_token"] is not None:

@@ -45,7 +45,14 @@ class BenchResult:
     rows: list[BenchRow] = field(default_factory=list)
     verify_decode_ratio: float | None = None
     draft_steps: int = 0
-    draft_step_ms: float | None = None
+    draft_step_ms: float | None = None  # the draft step the MTP row uses (the truncated head's when on)
+    # the truncated draft head (None when off): its rows, and the draft step with the full head beside it
+    draft_vocab: int | None = None
+    draft_head_bytes: int | None = None  # one draft step's head read, as the MTP row runs it
+    draft_step_full_head_ms: float | None = None
+    draft_head_full_bytes: int | None = None
+    accept_length_full_head: float | None = None
+    mtp_full_head_tpot_ms: float | None = None  # the MTP row's per-token time, had the draft used the full head
     verify_ms: float | None = None
     verify_pct_read_bw: float | None = None  # bytes a verify reads and writes ÷ its time, vs read BW
     # the same verify with routing that repeats half the experts between neighbouring tokens, as real
@@ -177,11 +184,15 @@ def _configure(model: LingModel, experts: bool, fp8_head: bool) -> None:
 
 def run_bench(model: LingModel, *, context: int = 1024, iters: int = 20, draft_steps: int = 3,
               graphs: bool = True, accept_length: float | None = None, prefill: int = 0,
-              progress: Callable[[str], None] | None = None) -> BenchResult:
+              progress: Callable[[str], None] | None = None, draft_vocab: int | None = None,
+              draft_rows: list[int] | None = None, accept_length_full_head: float | None = None) -> BenchResult:
     """Measure the four configurations on `model` at a context of `context` tokens.
 
     `accept_length`: measured on real weights by the caller; None means synthetic weights, and the
     MTP row then uses NVIDIA's published accept length (and says so).
+    `draft_vocab`: the MTP row drafts through a head truncated to that many rows (`draft_rows`, else the
+    lowest ids: the time does not depend on which rows), and the draft step is also timed with the full
+    head; `accept_length` is then the truncated head's and `accept_length_full_head` the full one's.
     """
     device = model.embed.device
     cuda = device.type == "cuda"
@@ -225,6 +236,8 @@ def run_bench(model: LingModel, *, context: int = 1024, iters: int = 20, draft_s
     if model.mtp is not None:
         say("+ MTP")
         _configure(model, True, True)
+        head = model.lm_head
+        head.set_draft_rows(None)
         dec = Decoder(model, state, _graphs(model, state) if use_graphs else None)
         k = result.draft_steps = draft_steps
 
@@ -235,7 +248,16 @@ def run_bench(model: LingModel, *, context: int = 1024, iters: int = 20, draft_s
         def verify():
             dec.forward([1] * (k + 1), keep_steps=True)[1].argmax(-1)
 
-        t_draft = _median_time(draft, device, iters)
+        t_draft = t_draft_full = _median_time(draft, device, iters)
+        result.draft_step_full_head_ms = 1000 * t_draft_full / k
+        result.draft_head_bytes = result.draft_head_full_bytes = head.draft_bytes()
+        if draft_vocab and draft_vocab < model.cfg.vocab_size:
+            head.set_draft_rows(draft_rows if draft_rows is not None else list(range(draft_vocab)))
+            result.draft_vocab = int(head.draft_ids.numel())
+            result.draft_head_bytes = head.draft_bytes()
+            dec = Decoder(model, state, _graphs(model, state) if use_graphs else None)  # graphs of this head
+            t_draft = _median_time(draft, device, iters)
+            head.set_draft_rows(None)
         t_verify = _median_time(verify, device, iters)
         result.draft_step_ms, result.verify_ms = 1000 * t_draft / k, 1000 * t_verify
         result.verify_decode_ratio = t_verify / last
@@ -256,8 +278,16 @@ def run_bench(model: LingModel, *, context: int = 1024, iters: int = 20, draft_s
         t_token = (t_draft + t_verify) / al
         # on a bandwidth-bound machine the speed-up over plain decoding carries over to the Spark
         spark = result.rows[-1].projected_spark_tok_s * last / t_token
-        result.rows.append(BenchRow(f"+ MTP ({k} draft steps)", 1000 * t_token, 1 / t_token, None, None, None,
-                                    spark, f"per token at accept length {al:.2f} ({result.accept_length_source})"))
+        name, note = f"+ MTP ({k} draft steps)", f"per token at accept length {al:.2f} ({result.accept_length_source})"
+        if result.draft_vocab is not None:
+            al_full = accept_length_full_head if accept_length_full_head is not None else al
+            result.accept_length_full_head = al_full
+            result.mtp_full_head_tpot_ms = 1000 * (t_draft_full + t_verify) / al_full
+            n = result.draft_vocab
+            name = f"+ MTP ({k} draft steps, draft head top {f'{n // 1024}K' if n % 1024 == 0 else f'{n:,}'})"
+            note += (f"; the full draft head: {result.mtp_full_head_tpot_ms:.2f} ms at accept length "
+                     f"{al_full:.2f}")
+        result.rows.append(BenchRow(name, 1000 * t_token, 1 / t_token, None, None, None, spark, note))
     return result
 
 

@@ -9,6 +9,8 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from sparkchat.engine.draft_vocab import DEFAULT_DRAFT_VOCAB
+
 # The one range check of sampling values (CLI flags, the app's settings form, settings.toml):
 # field -> (what the user calls it, rule, test of a value).
 SAMPLING_RULES: dict[str, tuple[str, str, Any]] = {
@@ -58,6 +60,10 @@ class Switches:
     fp8_head: bool = True
     mxfp4_kernels: bool = True
     cuda_graphs: bool = True
+    # MTP drafts through the head's rows of the `draft_vocab` most frequent tokens only (the verify
+    # keeps the full head, so output does not change; see engine/draft_vocab.py)
+    truncated_draft_head: bool = True
+    draft_vocab: int = DEFAULT_DRAFT_VOCAB
 
 
 @dataclass

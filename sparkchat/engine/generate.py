@@ -86,40 +86,57 @@ class Decoder:
         self.state.token_ids.extend(ids)
 
     # -- the MTP draft ------------------------------------------------------------------------
-    def mtp_catch_up(self, pending: int) -> torch.Tensor:
+    def mtp_catch_up(self, pending: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Bring the MTP cache up to the last processed position using true hidden states; returns the
-        MTP hidden of that last slot (its input token is `pending`, the token not yet processed)."""
+        MTP hidden of that last slot (its input token is `pending`, the token not yet processed) and
+        that slot's draft logits: the first draft. With graphs, the catch-up (1..k+1 slots) replays a
+        draft graph too: run eagerly it cost a hundred launches, most of a speculative step's drafting."""
         st = self.state
         n, start = st.length, st.mtp_length
         next_ids = st.token_ids[start + 1:n] + [pending]
         hidden = st.hidden[start:n]
-        ids = torch.tensor(next_ids, device=self.device)
-        m = self.model.draft(ids, hidden, start, st.mtp, span=self._span(start, len(next_ids)))
         st.mtp_length = n
-        return m[-1:]
+        if self.graphs is not None and len(next_ids) <= self.GRAPH_MAX_TOKENS:
+            m, logits = self.graphs.replay("draft", next_ids, start, hidden_in=hidden)
+            return m[-1:], logits
+        ids = torch.tensor(next_ids, device=self.device)
+        m = self.model.draft(ids, hidden, start, st.mtp, span=self._span(start, len(next_ids)))[-1:]
+        return m, self.model.draft_logits(m)  # the very same head module as the target
 
     def draft(self, pending: int, k: int, params: SamplingParams,
               gen: torch.Generator | None) -> tuple[list[int], torch.Tensor | None]:
-        """k draft tokens after `pending`, and their draft distributions when sampling."""
-        m = self.mtp_catch_up(pending)
+        """k draft tokens after `pending`, and their draft distributions [k, V] when sampling.
+
+        With a truncated draft head (`lm_head.draft_ids`, N rows) the draft's logits cover those N
+        tokens only: a drafted index maps back to its vocabulary id, and the draft distribution is
+        0 for every other token. The acceptance rule stays exact for any draft distribution: a token
+        the draft cannot propose is simply never accepted as a draft, and the residual (p − q)+ a
+        rejection resamples from keeps the target's whole mass on it."""
+        m, logits = self.mtp_catch_up(pending)
+        rows = self.model.lm_head.draft_ids  # None: the draft's logits cover the whole vocabulary
         tokens: list[int] = []
         qs = []
         pos = self.state.length  # the next slot's position
         for j in range(k):
             if j and self.graphs is not None:
                 m, logits = self.graphs.replay("draft", [tokens[-1]], pos + j - 1, hidden_in=m)
-            else:
-                if j:
-                    ids = torch.tensor([tokens[-1]], device=self.device)
-                    m = self.model.draft(ids, m, pos + j - 1, self.state.mtp, span=self._span(pos + j - 1, 1))
+            elif j:
+                ids = torch.tensor([tokens[-1]], device=self.device)
+                m = self.model.draft(ids, m, pos + j - 1, self.state.mtp, span=self._span(pos + j - 1, 1))
                 logits = self.model.draft_logits(m)  # the very same head module as the target
             if params.temperature > 0:
                 q = probabilities(logits, params)
                 qs.append(q[0])
-                tokens.append(int(torch.multinomial(q[0], 1, generator=gen)))
+                tok = torch.multinomial(q[0], 1, generator=gen)[0]
             else:
-                tokens.append(int(logits[0].argmax()))
-        return tokens, (torch.stack(qs) if qs else None)
+                tok = logits[0].argmax()
+            tokens.append(int(tok if rows is None else rows[tok]))  # one host sync either way
+        if not qs:
+            return tokens, None
+        q = torch.stack(qs)
+        if rows is not None:  # the draft distribution over the whole vocabulary: 0 outside the rows
+            q = torch.zeros(k, self.model.cfg.vocab_size, dtype=q.dtype, device=q.device).index_copy_(1, rows, q)
+        return tokens, q
 
 
 def generate_tokens(model: LingModel, state: ConversationState, new_ids: list[int], params: SamplingParams,

@@ -103,6 +103,12 @@ class LMHead(nn.Module):
 
     Holds the BF16 (or checkpoint-dtype) weight, and optionally an FP8 e4m3 copy with per-row scales
     quantized online; `use_fp8` picks which one runs.
+
+    The draft may run a truncated head: `set_draft_rows(ids)` keeps a row-gathered copy of the N rows
+    `ids` (the most frequent tokens) of whichever weight runs — the FP8 bytes and their scales when
+    `use_fp8`, else the BF16 rows — and `head(h, draft=True)` then returns logits over those N tokens
+    only, through the same numerics and, on CUDA, the same `fast_fp8` GEMV as the full head. Row i of
+    the draft's logits is the full head's row `draft_ids[i]`. The verify always calls the full head.
     """
 
     def __init__(self, hidden: int, vocab: int) -> None:
@@ -115,27 +121,93 @@ class LMHead(nn.Module):
         self.cache_dense = False  # CPU: keep the dequantized FP8 head instead of rebuilding it every step
         self._dense_fp8: torch.Tensor | None = None
         self.fast_fp8 = None  # set by the GPU path: callable(h, fp8_weight, fp8_scale) -> fp32 logits
+        # the truncated draft head: ids [N] (sorted, full-vocabulary ids) and the rows of the weight in use
+        self.draft_ids: torch.Tensor | None = None
+        self._draft: dict[str, torch.Tensor | None] = {}
 
     def build_fp8(self) -> None:
         from sparkchat.engine.quant import quant_fp8_rows
 
         self.fp8_weight, self.fp8_scale = quant_fp8_rows(self.weight)
         self._dense_fp8 = None
+        self._draft = {}  # rebuilt from the new FP8 rows on next use
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        """h: [T, H] → fp32 logits [T, V]."""
+    # -- the truncated draft head --------------------------------------------------------------
+    def set_draft_rows(self, ids: torch.Tensor | None) -> None:
+        """Give the draft a head over the rows `ids` only (full-vocabulary token ids, any order; kept
+        sorted, so ties break toward the lower id as the full head's argmax does); None: the draft
+        uses the full head. The row copies are built at once for the numerics in use."""
+        if ids is None:
+            self.draft_ids, self._draft = None, {}
+            return
+        dev = (self.weight if self.weight is not None else self.fp8_weight).device
+        ids = torch.unique(torch.as_tensor(ids, dtype=torch.long)).to(dev)  # sorted, no repeats
+        if ids.numel() == 0 or int(ids[0]) < 0 or int(ids[-1]) >= self.vocab:
+            raise ValueError(f"draft rows must be token ids in [0, {self.vocab})")
+        if self.draft_ids is not None and torch.equal(ids, self.draft_ids):
+            self.prepare_draft()
+            return
+        self.draft_ids, self._draft = ids, {}
+        self.prepare_draft()
+
+    def prepare_draft(self) -> None:
+        """Build the draft's row copy for the numerics in use (FP8 rows + scales, or BF16 rows) and drop
+        the other one, so at most one N-row copy is held. Call after changing `use_fp8` (the engine
+        does), before capturing a graph; `head(h, draft=True)` also builds it on first use."""
+        ids = self.draft_ids
+        if ids is None:
+            self._draft = {}
+            return
         if self.use_fp8:
-            if self.fast_fp8 is not None:
-                return self.fast_fp8(h, self.fp8_weight, self.fp8_scale)
-            w = self._dense_fp8
-            if w is None or w.dtype != h.dtype:
-                from sparkchat.engine.quant import dequant_fp8_rows
+            if self._draft.get("fp8_weight") is None:
+                w8 = self.fp8_weight
+                # index_select has no float8 kernels everywhere: gather the bytes
+                rows = w8.view(torch.uint8).index_select(0, ids).view(w8.dtype)
+                self._draft = {"fp8_weight": rows.contiguous(),
+                               "fp8_scale": self.fp8_scale.index_select(0, ids).contiguous()}
+        elif self._draft.get("weight") is None:
+            self._draft = {"weight": self.weight.index_select(0, ids).contiguous()}
 
-                w = dequant_fp8_rows(self.fp8_weight, self.fp8_scale, dtype=h.dtype)
-                if self.cache_dense:
-                    self._dense_fp8 = w
-            return (h @ w.T).float()
+    def draft_bytes(self) -> int:
+        """Bytes one draft step's head reads: the N-row copy in use, or the full head without rows."""
+        def size(*ts: torch.Tensor | None) -> int:
+            return sum(t.numel() * t.element_size() for t in ts if t is not None)
+
+        if self.draft_ids is None:
+            return size(self.fp8_weight, self.fp8_scale) if self.use_fp8 else size(self.weight)
+        n = self.draft_ids.numel()
+        if self.use_fp8:
+            return n * self.hidden * self.fp8_weight.element_size() + n * self.fp8_scale.element_size()
+        return n * self.hidden * self.weight.element_size()
+
+    # -- logits ----------------------------------------------------------------------------------
+    def forward(self, h: torch.Tensor, draft: bool = False) -> torch.Tensor:
+        """h: [T, H] → fp32 logits [T, V]; with `draft` and draft rows set, [T, N] over `draft_ids`."""
+        if draft and self.draft_ids is not None:
+            self.prepare_draft()
+            d = self._draft
+            if self.use_fp8:
+                return self._fp8_logits(h, d["fp8_weight"], d["fp8_scale"], "draft_dense_fp8")
+            return (h @ d["weight"].to(h.dtype).T).float()
+        if self.use_fp8:
+            return self._fp8_logits(h, self.fp8_weight, self.fp8_scale, None)
         return (h @ self.weight.to(h.dtype).T).float()
+
+    def _fp8_logits(self, h: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor,
+                    draft_key: str | None) -> torch.Tensor:
+        if self.fast_fp8 is not None:
+            return self.fast_fp8(h, w8, scale)
+        w = self._dense_fp8 if draft_key is None else self._draft.get(draft_key)
+        if w is None or w.dtype != h.dtype:
+            from sparkchat.engine.quant import dequant_fp8_rows
+
+            w = dequant_fp8_rows(w8, scale, dtype=h.dtype)
+            if self.cache_dense:
+                if draft_key is None:
+                    self._dense_fp8 = w
+                else:
+                    self._draft[draft_key] = w
+        return (h @ w.T).float()
 
 
 class LingModel(nn.Module):
@@ -184,8 +256,9 @@ class LingModel(nn.Module):
         return normed, kept
 
     def draft_logits(self, mtp_hidden: torch.Tensor) -> torch.Tensor:
-        """The draft's logits: through the target's own head module, whatever its precision."""
-        return self.lm_head(mtp_hidden)
+        """The draft's logits: through the target's own head module, whatever its precision — over the
+        whole vocabulary [T, V], or over `lm_head.draft_ids` [T, N] when the head has draft rows."""
+        return self.lm_head(mtp_hidden, draft=True)
 
     @torch.inference_mode()
     def draft(self, next_ids: torch.Tensor, hidden: torch.Tensor, start: int, cache: MLACache,

@@ -69,8 +69,13 @@ class Engine:
         self.max_context = max_context
         self.state = ConversationState.allocate(self.config, max_context, self.device, self.dtype)
         cuda = self.device.type == "cuda"
-        self.switches = Switches(mtp=model.mtp is not None, fp8_head=cuda, mxfp4_kernels=cuda, cuda_graphs=cuda)
+        # the truncated draft head pays where the head's bytes dominate a draft step: on the GPU
+        self.switches = Switches(mtp=model.mtp is not None, fp8_head=cuda, mxfp4_kernels=cuda, cuda_graphs=cuda,
+                                 truncated_draft_head=cuda)
         self._graphs = None  # StepGraphs, built on first use
+        self._token_ranking: tuple[list[int], str] | None = None  # the draft vocabulary's ranking, on first use
+        self._chat_ids: set[int] | None = None
+        self._draft_rows: dict[int, list[int] | None] = {}  # by draft vocabulary size
         self._prompt_checkpoint = None  # the state right after the last prompt, before its answer
         self._graph_key: tuple | None = None
 
@@ -110,7 +115,19 @@ class Engine:
                                     None if cuda else "runs through the reference dequantization on CPU"),
             "mxfp4_kernels": SwitchState(self.switches.mxfp4_kernels and kernels_ok, kernels_ok, kernels_why),
             "cuda_graphs": self._graphs_state(kernels_ok, kernels_why),
+            "truncated_draft_head": self._draft_head_state(has_mtp),
         }
+
+    def _draft_head_state(self, has_mtp: bool) -> SwitchState:
+        V, n = self.config.vocab_size, self.switches.draft_vocab
+        if not has_mtp:
+            return SwitchState(False, False, "the checkpoint has no MTP (NextN) layer to draft with")
+        if n >= V:
+            return SwitchState(False, False, f"the vocabulary ({V:,} tokens) fits in the draft vocabulary "
+                                             f"({n:,}): the draft runs the full head")
+        if not self.switches.mtp:
+            return SwitchState(False, True, "off while MTP is off")
+        return SwitchState(self.switches.truncated_draft_head, True, f"top {n:,} of {V:,} tokens")
 
     def _graphs_state(self, kernels_ok: bool, kernels_why: str | None) -> SwitchState:
         if not kernels_ok:
@@ -130,6 +147,8 @@ class Engine:
         """Takes effect at the next answer; weights are never reloaded."""
         if not 1 <= switches.draft_steps <= 4:
             raise ValueError("draft_steps must be between 1 and 4")
+        if switches.draft_vocab < 1:
+            raise ValueError("draft_vocab must be at least 1")
         self.switches = replace(switches)
 
     def _apply_switches(self) -> dict[str, Any]:
@@ -138,6 +157,7 @@ class Engine:
         if states["fp8_head"].on and head.fp8_weight is None:
             head.build_fp8()  # the BF16 weight stays, so the switch can go back
         head.use_fp8 = states["fp8_head"].on
+        head.set_draft_rows(self.draft_rows(self.switches.draft_vocab) if states["truncated_draft_head"].on else None)
         if self._kernels_available()[0]:
             from sparkchat.engine import fastpath
 
@@ -147,13 +167,35 @@ class Engine:
         self._update_graphs(states["cuda_graphs"].on, states)
         effective = {name: s.on for name, s in states.items()}
         effective["draft_steps"] = self.switches.draft_steps
+        effective["draft_vocab"] = len(head.draft_ids) if head.draft_ids is not None else self.config.vocab_size
         return effective
+
+    def draft_rows(self, n: int) -> list[int] | None:
+        """The truncated draft head's token ids: the chat format's tokens, then the best-ranked ids up to
+        `n` (engine/draft_vocab.py: a ranked-id file, else the tokenizer's BPE merge order); None when
+        `n` covers the vocabulary."""
+        from sparkchat.engine import draft_vocab
+
+        V = self.config.vocab_size
+        if self._token_ranking is None:
+            self._token_ranking = draft_vocab.token_ranking(self.model_dir, V)
+            self._chat_ids = draft_vocab.chat_token_ids(self.tokenizer)
+        if n not in self._draft_rows:
+            self._draft_rows[n] = draft_vocab.draft_rows(self._token_ranking[0], n, self._chat_ids or (), V)
+        return self._draft_rows[n]
+
+    @property
+    def draft_ranking_source(self) -> str | None:
+        """Where the draft vocabulary's ranking came from (once it was built)."""
+        return self._token_ranking[1] if self._token_ranking else None
 
     def _update_graphs(self, on: bool, states: dict[str, SwitchState]) -> None:
         if not on:
             self._graphs = None
             return
-        key = (states["fp8_head"].on, states["mxfp4_kernels"].on)
+        head = self.model.lm_head
+        key = (states["fp8_head"].on, states["mxfp4_kernels"].on,
+               None if head.draft_ids is None else (head.draft_ids.numel(), int(head.draft_ids.sum())))
         if self._graphs is None:
             from sparkchat.engine.graphs import StepGraphs
 

@@ -17,7 +17,7 @@ from typing import Any
 
 from sparkchat.engine.events import GenerationStats, ResponseEvent, SamplingParams, Switches, SwitchState
 
-SWITCH_NAMES = ("mtp", "fp8_head", "mxfp4_kernels", "cuda_graphs")
+SWITCH_NAMES = ("mtp", "fp8_head", "mxfp4_kernels", "cuda_graphs", "truncated_draft_head")
 
 DEMO_REPLIES = [
     "<think>The user wants a quick example. A list comprehension is the idiomatic answer; "

@@ -19,6 +19,7 @@ SWITCHES = [
     ("mxfp4_kernels", "MXFP4 kernels", "experts read 4-bit weights straight from memory"),
     ("fp8_head", "FP8 head", "the vocabulary projection in FP8"),
     ("mtp", "MTP", "the model drafts tokens ahead and verifies them in one step"),
+    ("truncated_draft_head", "Top-N draft", "the draft's head covers only the most frequent tokens"),
     ("cuda_graphs", "CUDA graphs", "each decode step replayed as one graph launch"),
 ]
 
@@ -46,6 +47,8 @@ class SettingsScreen(ModalScreen[SettingsResult | None]):
 
     def _state(self, name: str) -> SwitchState:
         state = self.states.get(name)
+        if state is None and self.states:  # an engine that does not know this switch (a remote one)
+            return SwitchState(on=False, available=False, reason="not offered by this engine")
         if state is None:  # no engine yet: the choice is kept and applied when a model loads
             return SwitchState(on=bool(getattr(self.switches, name)), available=True)
         return state
