@@ -47,6 +47,7 @@ def test_bench_command_prints_the_table_as_json(tmp_path, capsys):
     assert out["rows"][2]["bytes_per_token"] < out["rows"][1]["bytes_per_token"]  # the FP8 head reads less
     assert out["verify_decode_ratio"] > 0 and out["accept_length_source"].startswith("assumed")
     assert out["verify_correlated_decode_ratio"] > 0 and out["verify_correlated_pct_read_bw"] > 0
+    assert out["verify_routing_wrapper_ms"] >= 0
     assert main(["bench", "--config", str(cfg_path), "--device", "cpu", "--context", "16", "--iters", "2"]) == 0
     text = capsys.readouterr().out
     assert "projection, not a measurement" in text and "half the experts repeated" in text

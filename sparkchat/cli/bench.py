@@ -174,7 +174,8 @@ def format_table(r: dict) -> str:
                      f"({r['accept_length_source']})")
         lines.append(f"verify of {r['draft_steps'] + 1} tokens: {r['verify_pct_read_bw']:.1f}% of read BW with random routing; "
                      f"with half the experts repeated between neighbours {r['verify_correlated_ms']:.2f} ms = "
-                     f"{r['verify_correlated_decode_ratio']:.2f}× decode, {r['verify_correlated_pct_read_bw']:.1f}% of read BW")
+                     f"{r['verify_correlated_decode_ratio']:.2f}× decode, {r['verify_correlated_pct_read_bw']:.1f}% of read BW "
+                     f"(the routing wrapper's own {r['verify_routing_wrapper_ms']:.2f} ms left out)")
     if r.get("draft_vocab") is not None:
         lines.append(f"draft head top {r['draft_vocab']:,} tokens: {r['draft_head_bytes'] / 1e6:.1f} MB per draft "
                      f"step, draft step {r['draft_step_ms']:.2f} ms; full head {r['draft_head_full_bytes'] / 1e6:.1f} MB, "
