@@ -35,7 +35,7 @@ from sparkchat.engine.events import GenerationStats, ResponseEvent, SamplingPara
 
 API_KEY_ENV = "SPARKCHAT_API_KEY"
 THINK_END = "</think>"
-SWITCH_NAMES = ("mtp", "fp8_head", "mxfp4_kernels", "cuda_graphs")
+SWITCH_NAMES = ("mtp", "fp8_head", "mxfp4_kernels", "cuda_graphs", "truncated_draft_head")
 _FINISH = {"stop": "stop", "length": "length", "abort": "cancelled", "cancelled": "cancelled"}
 
 
@@ -101,7 +101,8 @@ class RemoteEngine:
         self.meta_info = meta_info
         self.max_context: int | None = None
         self.owned_by: str | None = None
-        self.switches = Switches(mtp=False, fp8_head=False, mxfp4_kernels=False, cuda_graphs=False)
+        self.switches = Switches(mtp=False, fp8_head=False, mxfp4_kernels=False, cuda_graphs=False,
+                                 truncated_draft_head=False)
 
     @classmethod
     def connect(cls, url: str, *, model: str | None = None, api_key: str | None = None,

@@ -14,12 +14,16 @@ def test_cpu_machine_table():
     assert t["fp8_head"].available is True and "reference path on CPU" in t["fp8_head"].reason
     assert t["cuda_graphs"].available is False
     assert t["mtp"].available is None and "model" in t["mtp"].reason
+    assert t["truncated_draft_head"].available is None and "MTP" in t["truncated_draft_head"].reason
+    cpu = caps.optimizations(cuda=False, compute_capability=None, triton_ok=True, has_mtp=True)
+    assert cpu["truncated_draft_head"].available is True and "CPU" in cpu["truncated_draft_head"].reason
 
 
 @pytest.mark.parametrize("has_mtp, available", [(True, True), (False, False), (None, None)])
 def test_mtp_follows_the_model(has_mtp, available):
     t = caps.optimizations(cuda=True, compute_capability=(12, 1), triton_ok=True, has_mtp=has_mtp)
     assert t["mtp"].available is available
+    assert t["truncated_draft_head"].available is available  # it drafts with the MTP layer
 
 
 def test_gb10_everything_available():

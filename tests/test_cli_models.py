@@ -114,11 +114,12 @@ def test_rm_asks_on_a_terminal(fake, capsys: pytest.CaptureFixture, monkeypatch:
 def test_info(fake, capsys: pytest.CaptureFixture):
     assert run(["info"]) == 0
     out = capsys.readouterr().out
-    for word in ("device", "memory", "torch", "triton", "mxfp4_kernels", "fp8_head", "mtp", "cuda_graphs"):
+    for word in ("device", "memory", "torch", "triton", "mxfp4_kernels", "fp8_head", "mtp", "cuda_graphs",
+                 "truncated_draft_head"):
         assert word in out
     assert run(["info", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert set(data["optimizations"]) == {"mxfp4_kernels", "fp8_head", "mtp", "cuda_graphs"}
+    assert set(data["optimizations"]) == {"mxfp4_kernels", "fp8_head", "mtp", "cuda_graphs", "truncated_draft_head"}
     assert data["optimizations"]["mtp"]["available"] is None  # default model not downloaded
     st.save_settings(st.Settings(model=REPO))
     run(["download", REPO])

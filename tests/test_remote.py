@@ -96,7 +96,7 @@ def test_remote_reports_the_servers_accept_length(server, engine):
 
 def test_remote_switches_are_not_applicable(server):
     states = RemoteEngine.connect(server.url).switch_states()
-    assert set(states) == {"mtp", "fp8_head", "mxfp4_kernels", "cuda_graphs"}
+    assert set(states) == {"mtp", "fp8_head", "mxfp4_kernels", "cuda_graphs", "truncated_draft_head"}
     assert all(not s.on and not s.available and s.reason == "remote endpoint" for s in states.values())
 
 

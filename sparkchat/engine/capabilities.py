@@ -14,7 +14,7 @@ import shutil
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-OPTIMIZATIONS = ("mxfp4_kernels", "fp8_head", "mtp", "cuda_graphs")
+OPTIMIZATIONS = ("mxfp4_kernels", "fp8_head", "mtp", "cuda_graphs", "truncated_draft_head")
 
 
 @dataclass
@@ -218,4 +218,15 @@ def optimizations(
         out["mtp"] = Availability(True)
 
     out["cuda_graphs"] = Availability(True) if cuda else Availability(False, "needs a CUDA GPU")
+
+    # the top-N draft head drafts through MTP, so it follows the model's MTP layer
+    if has_mtp is None:
+        out["truncated_draft_head"] = Availability(None, "depends on the model: drafts with the MTP layer")
+    elif not has_mtp:
+        out["truncated_draft_head"] = Availability(False, "this checkpoint has no MTP layer to draft with")
+    elif not cuda:
+        out["truncated_draft_head"] = Availability(True, "off by default on CPU (it pays where the head's "
+                                                         "bytes dominate a draft step)")
+    else:
+        out["truncated_draft_head"] = Availability(True)
     return out

@@ -125,8 +125,8 @@ def summary_line(stats: Any, finish_reason: str | None) -> str:
 
 
 def switches_line(switches: Any, states: dict[str, Any] | None = None) -> str:
-    """'MXFP4 · FP8 head · MTP×3 · graphs': the optimizations in effect (per the engine's states when
-    given, which know what is unavailable or held off by another switch)."""
+    """'MXFP4 · FP8 head · MTP×3 · draft top-32K · graphs': the optimizations in effect (per the engine's
+    states when given, which know what is unavailable or held off by another switch)."""
     def on(name: str) -> bool:
         state = (states or {}).get(name)
         if state is not None:
@@ -140,6 +140,10 @@ def switches_line(switches: Any, states: dict[str, Any] | None = None) -> str:
         parts.append("FP8 head")
     if on("mtp"):
         parts.append(f"MTP×{getattr(switches, 'draft_steps', 0)}")
+        # the engine's state knows whether the vocabulary is larger than N; without one, it needs MTP on
+        if on("truncated_draft_head"):
+            n = getattr(switches, "draft_vocab", 0) or 0
+            parts.append(f"draft top-{f'{n // 1024}K' if n and n % 1024 == 0 else f'{n:,}'}")
     if on("cuda_graphs"):
         parts.append("graphs")
     return " · ".join(parts) if parts else "baseline (all optimizations off)"

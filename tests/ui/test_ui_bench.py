@@ -156,6 +156,27 @@ async def test_answers_wait_and_stop_works_while_the_bench_runs(make_app, monkey
         assert len(engine.calls) == 1
 
 
+async def test_the_plan_drafts_with_the_engines_top_n_head(make_app, monkeypatch):
+    engine = FakeEngine()
+    app = make_app(engine)
+    async with app.run_test(size=SIZE) as pilot:
+        screen = await open_bench(pilot)
+        engine.switches = Switches(truncated_draft_head=True, draft_vocab=4096)
+        assert screen.make_plan().draft_vocab == 4096
+        engine.switches = Switches(truncated_draft_head=False, draft_vocab=4096)
+        assert screen.make_plan().draft_vocab is None  # the full head, as the engine drafts
+    calls = []
+
+    def fake_run_bench(model, **kwargs):
+        calls.append(kwargs)
+        return "result"
+
+    monkeypatch.setattr("sparkchat.engine.bench.run_bench", fake_run_bench)
+    plan = bench_screen.BenchPlan(source="small", context=16, iters=1, draft_vocab=1024)
+    assert bench_screen.run_plan(plan, lambda *_: None)[0] == "result"
+    assert calls[0]["draft_vocab"] == 1024 and calls[0]["draft_rows"] is None
+
+
 async def test_bad_fields_do_not_start(make_app):
     app = make_app(None)
     async with app.run_test(size=SIZE) as pilot:

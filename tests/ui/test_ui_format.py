@@ -61,11 +61,19 @@ def test_summary_line_and_accept():
 
 
 def test_switches_line():
-    assert switches_line(Switches()) == "MXFP4 · FP8 head · MTP×3 · graphs"
+    assert switches_line(Switches()) == "MXFP4 · FP8 head · MTP×3 · draft top-32K · graphs"
+    assert switches_line(Switches(truncated_draft_head=False)) == "MXFP4 · FP8 head · MTP×3 · graphs"
+    assert switches_line(Switches(draft_vocab=50000)) == "MXFP4 · FP8 head · MTP×3 · draft top-50,000 · graphs"
     assert switches_line(Switches(mtp=False, draft_steps=2)) == "MXFP4 · FP8 head · graphs"
     states = {"mxfp4_kernels": SwitchState(False, False, "no GPU"), "fp8_head": SwitchState(True, True),
-              "mtp": SwitchState(True, True), "cuda_graphs": SwitchState(False, True, "off while MXFP4 is off")}
+              "mtp": SwitchState(True, True), "cuda_graphs": SwitchState(False, True, "off while MXFP4 is off"),
+              "truncated_draft_head": SwitchState(False, False, "the vocabulary fits in the draft vocabulary")}
     assert switches_line(Switches(), states) == "FP8 head · MTP×3"
+    states["truncated_draft_head"] = SwitchState(True, True, "top 4,096 of 157,184 tokens")
+    assert switches_line(Switches(draft_vocab=4096), states) == "FP8 head · MTP×3 · draft top-4K"
+    # a remote engine offers none of them: its states, not the local choice, say what is in effect
+    remote = {name: SwitchState(False, False, "remote endpoint") for name in states}
+    assert switches_line(Switches(), remote) == "baseline (all optimizations off)"
     off = SimpleNamespace(mtp=False, fp8_head=False, mxfp4_kernels=False, cuda_graphs=False, draft_steps=1)
     assert switches_line(off) == "baseline (all optimizations off)"
 

@@ -57,6 +57,7 @@ class BenchPlan:
     graphs: bool = True
     layers: int = FULL_LAYERS  # "full" only
     measure_accept: bool = True  # "loaded" only: measure the MTP accept length with a few answers
+    draft_vocab: int | None = None  # the MTP row drafts through the top-N head (None: the full head)
     engine: Any = None
     cancel: threading.Event = field(default_factory=threading.Event)
 
@@ -94,7 +95,7 @@ def run_plan(plan: BenchPlan, say: Say) -> tuple[Any, str]:
     engine = plan.engine if plan.source == "loaded" else None
     model: Any = None
     saved = None
-    accept = None
+    accept = rows = None
     try:
         if plan.source == "loaded":
             if engine is None or getattr(engine, "model", None) is None:
@@ -110,6 +111,8 @@ def run_plan(plan: BenchPlan, say: Say) -> tuple[Any, str]:
 
                 steps.next("measuring the MTP accept length (3 answers)")
                 accept = measure_accept_length(engine, plan.draft_steps)
+            if plan.draft_vocab and has_mtp:
+                rows = engine.draft_rows(plan.draft_vocab)  # the engine's own top-N, as `sparkchat bench`
         else:
             cfg, device, dtype, source = _synthetic_setup(plan)
             steps.total = 1 + 4 + int(cfg.has_mtp)
@@ -119,7 +122,8 @@ def run_plan(plan: BenchPlan, say: Say) -> tuple[Any, str]:
             model = build_synthetic(cfg, device, dtype, max_context=plan.context + 128)
         steps.next("measuring the read bandwidth and the first fast step")
         result = run_bench(model, context=plan.context, iters=plan.iters, draft_steps=plan.draft_steps,
-                           graphs=plan.graphs, accept_length=accept, progress=steps.next)
+                           graphs=plan.graphs, accept_length=accept, progress=steps.next,
+                           draft_vocab=plan.draft_vocab, draft_rows=rows)
         steps.check()
         return result, source
     finally:
@@ -353,6 +357,10 @@ class BenchScreen(Screen[None]):
                          draft_steps=int(draft) if isinstance(draft, int) else 3,
                          graphs=self.query_one("#bench-graphs", Switch).value,
                          measure_accept=self.query_one("#bench-accept", Switch).value)
+        # the truncated draft head as the engine has it (the app's switches when no engine holds any)
+        switches = getattr(self.app.engine, "switches", None) or self.app.prefs.switches
+        if switches.truncated_draft_head:
+            plan.draft_vocab = switches.draft_vocab
         if source == "full":
             plan.layers = number("#bench-layers", "Layers", 1)
         if source == "loaded":
