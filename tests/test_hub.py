@@ -6,6 +6,7 @@ import _thread
 import json
 import struct
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -131,6 +132,9 @@ def test_ctrl_c_stops_workers_and_reraises(fake: FakeHub, monkeypatch: pytest.Mo
         if not fired.is_set():
             fired.set()
             _thread.interrupt_main()  # what Ctrl-C does, raised in the main thread
+            # keep this download going until the main thread (polling every 0.2 s) has seen it: on a
+            # loaded machine the tiny download could otherwise finish first
+            time.sleep(1.0)
 
     before = threading.active_count()
     with pytest.raises(KeyboardInterrupt):
