@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import _thread
 import json
+import signal
 import struct
 import threading
 import time
@@ -136,9 +137,15 @@ def test_ctrl_c_stops_workers_and_reraises(fake: FakeHub, monkeypatch: pytest.Mo
             # loaded machine the tiny download could otherwise finish first
             time.sleep(1.0)
 
+    # interrupt_main does nothing while SIGINT is ignored or at its C default; an earlier test in the
+    # same process (the apps' event loops) may have left it so: put Python's own handler back
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     before = threading.active_count()
-    with pytest.raises(KeyboardInterrupt):
-        hub.download(REPO, progress=interrupt)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            hub.download(REPO, progress=interrupt)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert threading.active_count() <= before + 1  # the download thread and its workers are gone
     assert not any(t.name == "sparkchat-download" for t in threading.enumerate())
 
