@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import statistics
@@ -102,54 +103,13 @@ def run_app_once(model: Path, args: argparse.Namespace, env: dict[str, str]) -> 
     return json.loads(out.strip().splitlines()[-1])
 
 
-async def drive_app(model: Path, args: argparse.Namespace) -> dict:
-    """One answer through the app, as a user gets it: the engine loads through the app's loader, the
-    prompt goes in through the prompt box, the answer streams into the chat with live stats."""
+@contextlib.asynccontextmanager
+async def running_app(model: Path, args: argparse.Namespace, history, settings):
+    """The app with `model` loaded through its own loader, the benchmark's switches and chat settings,
+    under a Pilot: yields (app, pilot) once the engine is up."""
     from sparkchat.engine.events import Switches
-    from sparkchat.history import History
     from sparkchat.ui.app import SparkchatApp, engine_loader, engine_thread_settings
-    from sparkchat.ui.prefs import ChatSettings
-    from sparkchat.ui.widgets.prompt import PromptInput
 
-    history = History(Path(os.environ["SPARKCHAT_DATA_DIR"]) / "history.db")
-    with engine_thread_settings():
-        app = SparkchatApp(engine_factory=engine_loader(model, device=args.device), history=history,
-                           model_label=model.name)
-        app.prefs.chat = ChatSettings(max_tokens=args.max_tokens, thinking=True)
-        fast = fast_paths(args.device)
-        app.prefs.switches = Switches(mtp=args.mtp, draft_steps=3, fp8_head=fast, mxfp4_kernels=fast, cuda_graphs=fast)
-        async with app.run_test(size=(120, 40)) as pilot:
-            while app.engine is None:
-                if app.engine_status == "failed":
-                    raise SystemExit(app.engine_error)
-                await pilot.pause(0.05)
-            chat = app.chat_screen
-            prompt = chat.query_one(PromptInput)
-            prompt.focus()
-            prompt.text = PROMPT
-            wall0, cpu0 = time.monotonic(), time.thread_time()  # this is the UI thread
-            await pilot.press("enter")
-            while chat.conversation is None or chat.generating:
-                await asyncio.sleep(0.1)  # not pilot.pause: the harness must not add work to the UI thread
-            ui_cores = (time.thread_time() - cpu0) / (time.monotonic() - wall0)
-            conv = history.list()[0]
-            stats = dict(history.messages(conv.id)[-1].stats, ui_cores=ui_cores)
-    history.close()
-    return stats
-
-
-async def drive_in_process(model: Path, args: argparse.Namespace) -> dict:
-    """`--in-process`: per round, one answer without the UI and one through it, same engine, same thread."""
-    from sparkchat.engine.events import Switches
-    from sparkchat.history import History
-    from sparkchat.ui.app import SparkchatApp, engine_loader, engine_thread_settings
-    from sparkchat.ui.prefs import ChatSettings
-    from sparkchat.ui.widgets.prompt import PromptInput
-
-    history = History(Path(os.environ["SPARKCHAT_DATA_DIR"]) / "history.db")
-    settings = ChatSettings(max_tokens=args.max_tokens, thinking=True)
-    messages = [{"role": "user", "content": PROMPT}]
-    results: dict[str, list[dict]] = {"ask": [], "app": []}
     with engine_thread_settings():
         app = SparkchatApp(engine_factory=engine_loader(model, device=args.device), history=history,
                            model_label=model.name)
@@ -161,41 +121,79 @@ async def drive_in_process(model: Path, args: argparse.Namespace) -> dict:
                 if app.engine_status == "failed":
                     raise SystemExit(app.engine_error)
                 await pilot.pause(0.05)
-            engine, chat = app.engine, app.chat_screen
-            prompt = chat.query_one(PromptInput)
+            yield app, pilot
 
-            def headless() -> dict:  # what `ask` does, on the same engine thread
-                engine.reset()
-                last = None
-                for last in engine.generate(messages, settings.sampling(), enable_thinking=True):
-                    pass
-                return last.stats.to_dict()
 
-            async def without_ui() -> dict:
-                return await asyncio.to_thread(app.on_engine_thread, headless)  # the UI loop idles meanwhile
+async def drive_app(model: Path, args: argparse.Namespace) -> dict:
+    """One answer through the app, as a user gets it: the engine loads through the app's loader, the
+    prompt goes in through the prompt box, the answer streams into the chat with live stats."""
+    from sparkchat.history import History
+    from sparkchat.ui.prefs import ChatSettings
+    from sparkchat.ui.widgets.prompt import PromptInput
 
-            async def with_ui() -> dict:
-                await pilot.press("ctrl+n")  # a new conversation: the same prompt, all of it prefilled
-                while chat.conversation is not None:  # (the key waits its turn after the last answer's end)
-                    await asyncio.sleep(0.05)
-                prompt.focus()
-                prompt.text = PROMPT
-                wall0, cpu0 = time.monotonic(), time.thread_time()
-                await pilot.press("enter")
-                while chat.generating or prompt.text:
-                    await asyncio.sleep(0.1)
-                ui_cores = (time.thread_time() - cpu0) / (time.monotonic() - wall0)
-                return dict(history.messages(chat.conversation.id)[-1].stats, ui_cores=ui_cores)
+    history = History(Path(os.environ["SPARKCHAT_DATA_DIR"]) / "history.db")
+    async with running_app(model, args, history, ChatSettings(max_tokens=args.max_tokens, thinking=True)) as (app, pilot):
+        chat = app.chat_screen
+        prompt = chat.query_one(PromptInput)
+        prompt.focus()
+        prompt.text = PROMPT
+        wall0, cpu0 = time.monotonic(), time.thread_time()  # this is the UI thread
+        await pilot.press("enter")
+        while chat.conversation is None or chat.generating:
+            await asyncio.sleep(0.1)  # not pilot.pause: the harness must not add work to the UI thread
+        ui_cores = (time.thread_time() - cpu0) / (time.monotonic() - wall0)
+        conv = history.list()[0]
+        stats = dict(history.messages(conv.id)[-1].stats, ui_cores=ui_cores)
+    history.close()
+    return stats
 
-            await without_ui()  # warm-up: first-use costs go to neither side
-            await with_ui()
-            for i in range(args.runs):
-                order = (("ask", without_ui), ("app", with_ui)) if i % 2 == 0 else (("app", with_ui), ("ask", without_ui))
-                for name, fn in order:
-                    stats = await fn()
-                    results[name].append(stats)
-                    print(f"round {i + 1} {name}: {stats['decode_tok_s']:.1f} tok/s, {stats['generated_tokens']} tokens",
-                          file=sys.stderr)
+
+async def drive_in_process(model: Path, args: argparse.Namespace) -> dict:
+    """`--in-process`: per round, one answer without the UI and one through it, same engine, same thread."""
+    from sparkchat.history import History
+    from sparkchat.ui.prefs import ChatSettings
+    from sparkchat.ui.widgets.prompt import PromptInput
+
+    history = History(Path(os.environ["SPARKCHAT_DATA_DIR"]) / "history.db")
+    settings = ChatSettings(max_tokens=args.max_tokens, thinking=True)
+    messages = [{"role": "user", "content": PROMPT}]
+    results: dict[str, list[dict]] = {"ask": [], "app": []}
+    async with running_app(model, args, history, settings) as (app, pilot):
+        engine, chat = app.engine, app.chat_screen
+        prompt = chat.query_one(PromptInput)
+
+        def headless() -> dict:  # what `ask` does, on the same engine thread
+            engine.reset()
+            last = None
+            for last in engine.generate(messages, settings.sampling(), enable_thinking=True):
+                pass
+            return last.stats.to_dict()
+
+        async def without_ui() -> dict:
+            return await asyncio.to_thread(app.on_engine_thread, headless)  # the UI loop idles meanwhile
+
+        async def with_ui() -> dict:
+            await pilot.press("ctrl+n")  # a new conversation: the same prompt, all of it prefilled
+            while chat.conversation is not None:  # (the key waits its turn after the last answer's end)
+                await asyncio.sleep(0.05)
+            prompt.focus()
+            prompt.text = PROMPT
+            wall0, cpu0 = time.monotonic(), time.thread_time()
+            await pilot.press("enter")
+            while chat.generating or prompt.text:
+                await asyncio.sleep(0.1)
+            ui_cores = (time.thread_time() - cpu0) / (time.monotonic() - wall0)
+            return dict(history.messages(chat.conversation.id)[-1].stats, ui_cores=ui_cores)
+
+        await without_ui()  # warm-up: first-use costs go to neither side
+        await with_ui()
+        for i in range(args.runs):
+            order = (("ask", without_ui), ("app", with_ui)) if i % 2 == 0 else (("app", with_ui), ("ask", without_ui))
+            for name, fn in order:
+                stats = await fn()
+                results[name].append(stats)
+                print(f"round {i + 1} {name}: {stats['decode_tok_s']:.1f} tok/s, {stats['generated_tokens']} tokens",
+                      file=sys.stderr)
     history.close()
     return results
 

@@ -20,6 +20,17 @@ def make_model_dir(path: Path, seed: int = 0, mtp: bool = True, **overrides) -> 
 
 
 @pytest.fixture(scope="session")
+def agree_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny model whose MTP layer drafts what the model then says (tests.tiny.make_draft_agree):
+    real accept lengths on a random model."""
+    from tests.tiny import make_draft_agree
+
+    path = make_model_dir(tmp_path_factory.mktemp("agree") / "m", seed=3)
+    make_draft_agree(path)
+    return path
+
+
+@pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny model with an MTP layer and a tokenizer: what `sparkchat ask --model` can load."""
     return make_model_dir(tmp_path_factory.mktemp("tiny") / "tiny-ling")

@@ -20,19 +20,10 @@ from sparkchat.engine.loader import load_model
 from sparkchat.engine.model import LingModel, LMHead
 from sparkchat.engine.sampling import speculative_accept
 from sparkchat.engine.state import ConversationState
-from tests.conftest import make_model_dir
 from tests.interpreter import run_interpreted
-from tests.tiny import make_draft_agree
 
 PROMPT = list(range(5, 40))
 ROOT = Path(__file__).parent.parent
-
-
-@pytest.fixture(scope="module")
-def agree_dir(tmp_path_factory):
-    path = make_model_dir(tmp_path_factory.mktemp("agree-draft-head") / "m", seed=3)
-    make_draft_agree(path)
-    return path
 
 
 def _model(path) -> LingModel:

@@ -14,16 +14,8 @@ from sparkchat.engine.model import LingModel
 from sparkchat.engine.sampling import speculative_accept
 from sparkchat.engine.state import ConversationState
 from tests.conftest import make_model_dir
-from tests.tiny import make_draft_agree
 
 PROMPT = list(range(5, 40))
-
-
-@pytest.fixture(scope="module")
-def agree_dir(tmp_path_factory):
-    path = make_model_dir(tmp_path_factory.mktemp("agree") / "m", seed=3)
-    make_draft_agree(path)
-    return path
 
 
 def _model(path) -> LingModel:
