@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sparkchat.engine.nn.ops import ops
+
 # Decode and verify steps (≤ this many tokens) use the GEMV kernel; prefill uses dequantize + matmul.
 GEMV_MAX_TOKENS = 8
 
@@ -113,8 +115,6 @@ def project_add_norm(lin: Linear, o: torch.Tensor, residual: torch.Tensor, norm_
                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(residual + lin(o), RMSNorm of that sum): a layer's output projection and the add and norm after
     it, in one GEMV plus its split-K reduce on the GPU path (`fast_add_norm`), else ops.add_rms_norm."""
-    from sparkchat.engine.nn.ops import ops
-
     if (lin.fast_add_norm is not None and lin.is_fp8 and o.shape[0] <= GEMV_MAX_TOKENS
             and residual.dtype == norm_w.dtype == o.dtype == torch.bfloat16):
         return lin.fast_add_norm(o.contiguous(), lin.weight, lin.weight_scale_inv, residual.contiguous(), norm_w, eps)
