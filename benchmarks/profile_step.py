@@ -1,8 +1,10 @@
 """Profile one decode step at Ling-3.0-flash-fp4's full shapes (synthetic weights): where the time goes.
 
-    python benchmarks/profile_step.py [--layers N] [--no-compile] [--prefill N]
+    python benchmarks/profile_step.py [--layers N] [--no-compile] [--prefill N] [--ab]
 
 With --prefill N it profiles the prefill of an N-token prompt instead (eager, as the engine runs it).
+With --ab it times the graphed decode step with programmatic dependent launch (kernels/pdl.py) and
+the shared expert's side stream (engine/streams.py) each on and off.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=None)
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--prefill", type=int, default=0, help="profile an N-token prefill instead")
+    ap.add_argument("--ab", action="store_true", help="time PDL and the side stream on and off")
     args = ap.parse_args()
     if args.compile:
         enable_compile()
@@ -38,6 +41,9 @@ def main() -> None:
     if args.prefill:
         profile_prefill(model, state, args.prefill)
         return
+    if args.ab:
+        compare_overlap(model, state)
+        return
     state.token_ids = [0] * 1024
     eager = Decoder(model, state)
     for _ in range(3):
@@ -50,16 +56,34 @@ def main() -> None:
     n_kernels = sum(e.count for e in events if e.device_type.name == "CUDA")
     print(f"kernels per decode step: {n_kernels}")
     print(events.table(sort_by="cuda_time_total", row_limit=45, max_name_column_width=70))
+    print(f"graph decode step: {graph_step_ms(model, state):.3f} ms")
+
+
+def graph_step_ms(model, state: ConversationState, iters: int = 50) -> float:
+    """Mean time of a graphed one-token decode step, replayed back to back."""
+    state.token_ids = [0] * 1024
     graphed = Decoder(model, state, StepGraphs(model, state))
     for _ in range(3):
         graphed.forward([1])
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
-    for _ in range(20):
+    for _ in range(iters):
         graphed.forward([1])
     end.record()
     end.synchronize()
-    print(f"graph decode step: {start.elapsed_time(end) / 20:.3f} ms")
+    return start.elapsed_time(end) / iters
+
+
+def compare_overlap(model, state: ConversationState) -> None:
+    import os
+
+    for pdl in ("1", "0"):
+        for side in ("1", "0"):
+            os.environ["SPARKCHAT_PDL"], os.environ["SPARKCHAT_SIDE_STREAM"] = pdl, side
+            fastpath.install(model, linears=True, experts=True, head=True)
+            times = [graph_step_ms(model, state) for _ in range(3)]
+            print(f"PDL {'on ' if pdl == '1' else 'off'}  side stream {'on ' if side == '1' else 'off'}  "
+                  f"graph decode step: {min(times):.3f} ms (3 runs: {', '.join(f'{t:.3f}' for t in times)})")
 
 
 def profile_prefill(model, state: ConversationState, n: int) -> None:

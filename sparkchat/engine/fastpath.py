@@ -45,10 +45,12 @@ class ExpertsKernel:
         self.experts = experts
 
     def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                 add: torch.Tensor | None = None) -> torch.Tensor:
+                 add: torch.Tensor | None = None, join: Callable[[], None] | None = None) -> torch.Tensor:
         """The routed experts' output, plus `add` (the shared expert's) when given: the kernel adds it
-        in its final sum, saving a launch."""
-        if x.shape[0] > self.MAX_TOKENS:  # prefill: the grouped MXFP4 GEMM (kernels/moe_prefill.py)
+        in its final sum, saving a launch. `join`: call before reading `add` (made on a side stream)."""
+        if x.shape[0] > self.MAX_TOKENS:
+            if join is not None:
+                join()  # prefill: the grouped MXFP4 GEMM (kernels/moe_prefill.py)
             ex = self.experts
             if x.dtype == torch.bfloat16 and (x.is_cuda or os.environ.get("TRITON_INTERPRET", "0") == "1"):
                 from sparkchat.engine.kernels.moe_prefill import moe_prefill
@@ -62,7 +64,22 @@ class ExpertsKernel:
 
         ex = self.experts
         return mxfp4_moe(x.contiguous(), ids.contiguous(), weights.float().contiguous(), ex.w13, ex.w13_scale,
-                         ex.w2, ex.w2_scale, ex.limit, add=None if add is None else add.contiguous())
+                         ex.w2, ex.w2_scale, ex.limit, add=add, join=join)
+
+
+def side_stream_enabled() -> bool:
+    """The shared expert runs on a side stream alongside the routing unless SPARKCHAT_SIDE_STREAM=0."""
+    return os.environ.get("SPARKCHAT_SIDE_STREAM", "1") != "0"
+
+
+_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def side_stream(device: torch.device) -> torch.cuda.Stream:
+    """One side stream per device, shared by every MoE layer (they run one after another)."""
+    if device not in _SIDE_STREAMS:
+        _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+    return _SIDE_STREAMS[device]
 
 
 def _fp8_gemv() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
@@ -129,6 +146,8 @@ def install(model, *, linears: bool, experts: bool, head: bool) -> None:
             m.fast_core = kda_core if m.A_log.is_cuda else None
         if isinstance(m, MoE):
             m.fast_experts = ExpertsKernel(m.experts) if experts and m.experts.is_mxfp4 else None
+            overlap = m.fast_experts is not None and m.experts.w13.is_cuda and side_stream_enabled()
+            m.side_stream = side_stream(m.experts.w13.device) if overlap else None
         elif isinstance(m, MultiLatentAttention):
             m.fast_attend = attend if m.kv_b_proj.weight.is_cuda else None
     model.lm_head.fast_fp8 = _fp8_head() if head else None

@@ -19,20 +19,17 @@ import torch
 import triton
 import triton.language as tl
 
+from sparkchat.engine.kernels.pdl import pdl_args, pdl_wait
+
 SCALE_BLOCK: tl.constexpr = tl.constexpr(128)
 
 
 @triton.jit
-def _gemv_loads(x_ptr, w_ptr, s_ptr, r0, k0, sub, kk, T: tl.constexpr, N: tl.constexpr, K: tl.constexpr,
-                KB: tl.constexpr, BN: tl.constexpr, RS: tl.constexpr, EVEN_N: tl.constexpr,
-                EVEN_K: tl.constexpr, SCALE: tl.constexpr, XS: tl.constexpr, XU: tl.constexpr,
-                X_SWIGLU: tl.constexpr, lim):
-    """Raw fp8 tiles [BN, BK] of the RS row tiles at k0, and each token's activation chunk [BK] in
-    fp32, already multiplied by the block scale of its columns (block scales: the RS tiles sit in one
-    128-row scale block, so scaling the activations once replaces a multiply per weight). With
-    X_SWIGLU, x rows hold [gate | up] (up at column XU) and the activation is the clamped SwiGLU of
-    the two, rounded to bf16 as the separate op would: an MLP's down projection then reads its
-    gate/up projection's output directly."""
+def _gemv_weights(w_ptr, s_ptr, r0, k0, sub, kk, N: tl.constexpr, K: tl.constexpr, KB: tl.constexpr,
+                  BN: tl.constexpr, RS: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
+                  SCALE: tl.constexpr):
+    """Raw fp8 tiles [BN, BK] of the RS row tiles at k0, and (block scales) the scale of each column
+    (the RS tiles sit in one 128-row scale block). Constant data: loadable before pdl_wait."""
     cols = k0 + kk
     kmask = cols < K
     ws = ()
@@ -48,6 +45,21 @@ def _gemv_loads(x_ptr, w_ptr, s_ptr, r0, k0, sub, kk, T: tl.constexpr, N: tl.con
         ws = ws + (w,)
     if SCALE == 0:
         sc = tl.load(s_ptr + (r0 // SCALE_BLOCK) * KB + cols // SCALE_BLOCK, mask=kmask, other=0.0)
+    else:
+        sc = 1.0
+    return ws, sc
+
+
+@triton.jit
+def _gemv_acts(x_ptr, sc, k0, kk, T: tl.constexpr, K: tl.constexpr, EVEN_K: tl.constexpr,
+               SCALE: tl.constexpr, XS: tl.constexpr, XU: tl.constexpr, X_SWIGLU: tl.constexpr, lim):
+    """Each token's activation chunk [BK] at k0 in fp32, already multiplied by the block scale of its
+    columns (scaling the activations once replaces a multiply per weight). With X_SWIGLU, x rows hold
+    [gate | up] (up at column XU) and the activation is the clamped SwiGLU of the two, rounded to bf16
+    as the separate op would: an MLP's down projection then reads its gate/up projection's output
+    directly."""
+    cols = k0 + kk
+    kmask = cols < K
     xs = ()
     for t in tl.static_range(T):
         if EVEN_K:
@@ -61,6 +73,17 @@ def _gemv_loads(x_ptr, w_ptr, s_ptr, r0, k0, sub, kk, T: tl.constexpr, N: tl.con
         if SCALE == 0:
             xv = xv * sc
         xs = xs + (xv,)
+    return xs
+
+
+@triton.jit
+def _gemv_loads(x_ptr, w_ptr, s_ptr, r0, k0, sub, kk, T: tl.constexpr, N: tl.constexpr, K: tl.constexpr,
+                KB: tl.constexpr, BN: tl.constexpr, RS: tl.constexpr, EVEN_N: tl.constexpr,
+                EVEN_K: tl.constexpr, SCALE: tl.constexpr, XS: tl.constexpr, XU: tl.constexpr,
+                X_SWIGLU: tl.constexpr, lim):
+    """One k step's weight tiles and scaled activation chunks."""
+    ws, sc = _gemv_weights(w_ptr, s_ptr, r0, k0, sub, kk, N, K, KB, BN, RS, EVEN_N, EVEN_K, SCALE)
+    xs = _gemv_acts(x_ptr, sc, k0, kk, T, K, EVEN_K, SCALE, XS, XU, X_SWIGLU, lim)
     return ws, xs
 
 
@@ -97,6 +120,7 @@ def fp8_gemv_kernel(
     XU: tl.constexpr = 0,  # X_SWIGLU: column of the up half in each x row
     X_SWIGLU: tl.constexpr = False,
     lim=float("inf"),  # X_SWIGLU: the clamp (inf: none)
+    PDL: tl.constexpr = False,  # programmatic dependent launch (kernels/pdl.py)
 ):
     """Rows [pid*RS*BN, +RS*BN) of y = x @ w.T for T tokens, over this program's share of K. The
     program holds RS row tiles of [BN, BK] fp8 per k step; each token's activation chunk is loaded
@@ -119,13 +143,14 @@ def fp8_gemv_kernel(
             accs = accs + (tl.zeros([BN], dtype=tl.float32),)
         else:
             accs = accs + (tl.zeros([BN, BK], dtype=tl.float32),)
+    # The first k step's weights are loaded before pdl_wait: they overlap the previous kernel's tail.
+    ws, sc = _gemv_weights(w_ptr, s_ptr, r0, k_lo, sub, kk, N, K, KB, BN, RS, EVEN_N, EVEN_K, SCALE)
+    pdl_wait(PDL)
+    xs = _gemv_acts(x_ptr, sc, k_lo, kk, T, K, EVEN_K, SCALE, XSTRIDE, XU, X_SWIGLU, lim)
     if PREFETCH:
         # Software-pipelined by one k step: step k+1's weights and activations are in flight while
         # step k multiplies (the last step re-reads its own chunk: cache hits).
-        ws, xs = _gemv_loads(x_ptr, w_ptr, s_ptr, r0, k_lo, sub, kk, T, N, K, KB, BN, RS, EVEN_N, EVEN_K,
-                             SCALE, XSTRIDE, XU, X_SWIGLU, lim)
         for kb in tl.range(0, KS, BK, loop_unroll_factor=UNROLL):
-            k0 = k_lo + kb
             kn = k_lo + tl.minimum(kb + BK, (KS - 1) // BK * BK)
             ws_n, xs_n = _gemv_loads(x_ptr, w_ptr, s_ptr, r0, kn, sub, kk, T, N, K, KB, BN, RS, EVEN_N,
                                      EVEN_K, SCALE, XSTRIDE, XU, X_SWIGLU, lim)
@@ -133,7 +158,8 @@ def fp8_gemv_kernel(
             ws = ws_n
             xs = xs_n
     else:
-        for kb in tl.range(0, KS, BK, loop_unroll_factor=UNROLL):
+        accs = _gemv_step(accs, ws, xs, T, RS, ROW_ACC)
+        for kb in tl.range(BK, KS, BK, loop_unroll_factor=UNROLL):
             k0 = k_lo + kb
             ws, xs = _gemv_loads(x_ptr, w_ptr, s_ptr, r0, k0, sub, kk, T, N, K, KB, BN, RS, EVEN_N, EVEN_K,
                                  SCALE, XSTRIDE, XU, X_SWIGLU, lim)
@@ -173,9 +199,11 @@ def fp8_gemv_kernel(
 
 @triton.jit
 def splitk_reduce_kernel(part_ptr, s_ptr, y_ptr, TN: tl.constexpr, N: tl.constexpr, SPLIT: tl.constexpr,
-                         SCALE: tl.constexpr, OUT_BF16: tl.constexpr, BLOCK: tl.constexpr):
+                         SCALE: tl.constexpr, OUT_BF16: tl.constexpr, BLOCK: tl.constexpr,
+                         PDL: tl.constexpr = False):
     """y = sum of the SPLIT partials, in a fixed order (deterministic, unlike atomics), then the row
     scale and the output dtype."""
+    pdl_wait(PDL)
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = i < TN
     acc = tl.load(part_ptr + i, mask=m, other=0.0)
@@ -191,10 +219,12 @@ def splitk_reduce_kernel(part_ptr, s_ptr, y_ptr, TN: tl.constexpr, N: tl.constex
 
 @triton.jit
 def splitk_add_norm_kernel(part_ptr, res_ptr, nw_ptr, res_out_ptr, h_ptr, eps, N: tl.constexpr,
-                           T: tl.constexpr, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+                           T: tl.constexpr, SPLIT: tl.constexpr, BLOCK: tl.constexpr,
+                           PDL: tl.constexpr = False):
     """One program per token: y = the SPLIT partials summed in order, rounded to bf16 (the projection's
     output), then the residual add and RMSNorm that follow it, rounded as ops.add_rms_norm rounds:
     s = bf16(residual + y); h = w * bf16(s * rsqrt(mean(s²) + eps)). Writes s and h."""
+    pdl_wait(PDL)
     t = tl.program_id(0)
     i = tl.arange(0, BLOCK)
     m = i < N
@@ -211,8 +241,10 @@ def splitk_add_norm_kernel(part_ptr, res_ptr, nw_ptr, res_out_ptr, h_ptr, eps, N
 
 
 @triton.jit
-def argmax_reduce_kernel(pmax_ptr, pidx_ptr, out_ptr, NP: tl.constexpr, BLOCK: tl.constexpr):
+def argmax_reduce_kernel(pmax_ptr, pidx_ptr, out_ptr, NP: tl.constexpr, BLOCK: tl.constexpr,
+                         PDL: tl.constexpr = False):
     """One program per token: the first program holding the max wins (its index is the first max)."""
+    pdl_wait(PDL)
     t = tl.program_id(0)
     j = tl.arange(0, BLOCK)
     best_v = tl.full([BLOCK], float("-inf"), tl.float32)
@@ -327,7 +359,8 @@ def _launch(x, w, s, y, pmax, pidx, scale_kind: int, out_kind: int, cfg: GemvCon
     split = _split_for(K, bk, cfg.split) if out_kind in (0, 1) else 1
     grid = (triton.cdiv(N, cfg.bn * cfg.rs), split)
     common = dict(T=T, N=N, K=K, BN=cfg.bn, RS=cfg.rs, BK=bk, UNROLL=cfg.unroll, SCALE=scale_kind,
-                  SPLIT=split, PREFETCH=cfg.prefetch, ROW_ACC=cfg.row_acc, num_warps=cfg.warps, **extra)
+                  SPLIT=split, PREFETCH=cfg.prefetch, ROW_ACC=cfg.row_acc, num_warps=cfg.warps, **extra,
+                  **pdl_args(x.device))
     if split == 1:
         fp8_gemv_kernel[grid](x, w, s, y, pmax, pidx, OUT=out_kind, **common)
         return
@@ -336,7 +369,7 @@ def _launch(x, w, s, y, pmax, pidx, scale_kind: int, out_kind: int, cfg: GemvCon
     block = 1024
     splitk_reduce_kernel[(triton.cdiv(T * N, block),)](part, s, y, TN=T * N, N=N, SPLIT=split,
                                                         SCALE=scale_kind, OUT_BF16=out_kind == 0,
-                                                        BLOCK=block, num_warps=4)
+                                                        BLOCK=block, num_warps=4, **pdl_args(x.device))
 
 
 def fp8_block_gemv(
@@ -372,11 +405,12 @@ def fp8_block_gemv_add_norm(
     part = torch.empty(split, T, N, dtype=torch.float32, device=x.device)
     fp8_gemv_kernel[(triton.cdiv(N, cfg.bn * cfg.rs), split)](
         x, w, scale_inv, part, part, part, T=T, N=N, K=K, BN=cfg.bn, RS=cfg.rs, BK=bk, UNROLL=cfg.unroll,
-        SCALE=0, SPLIT=split, PREFETCH=cfg.prefetch, ROW_ACC=cfg.row_acc, OUT=3, num_warps=cfg.warps)
+        SCALE=0, SPLIT=split, PREFETCH=cfg.prefetch, ROW_ACC=cfg.row_acc, OUT=3, num_warps=cfg.warps,
+        **pdl_args(x.device))
     s_out = torch.empty_like(residual)
     h = torch.empty_like(residual)
     splitk_add_norm_kernel[(T,)](part, residual, norm_w, s_out, h, float(eps), N=N, T=T, SPLIT=split,
-                                 BLOCK=_pow2(N), num_warps=8)
+                                 BLOCK=_pow2(N), num_warps=8, **pdl_args(x.device))
     return s_out, h
 
 
@@ -428,7 +462,8 @@ def plain_gemv_partials(x: torch.Tensor, w: torch.Tensor, config: GemvConfig | N
     part = torch.empty(split, T, N, dtype=torch.float32, device=x.device)
     fp8_gemv_kernel[(triton.cdiv(N, cfg.bn * cfg.rs), split)](
         x, w, w, part, part, part, T=T, N=N, K=K, BN=cfg.bn, RS=cfg.rs, BK=bk, UNROLL=cfg.unroll, SCALE=2,
-        SPLIT=split, PREFETCH=cfg.prefetch, ROW_ACC=cfg.row_acc, OUT=3, num_warps=cfg.warps)
+        SPLIT=split, PREFETCH=cfg.prefetch, ROW_ACC=cfg.row_acc, OUT=3, num_warps=cfg.warps,
+        **pdl_args(x.device))
     return part
 
 
@@ -457,5 +492,6 @@ def fp8_head_argmax(
         out = torch.empty(T, dtype=torch.int64, device=x.device)
     assert out.shape == (T,) and out.dtype == torch.int64
     _launch(x, w, scale, out, pmax, pidx, 1, 2, cfg)
-    argmax_reduce_kernel[(T,)](pmax, pidx, out, NP=np_, BLOCK=min(4096, _pow2(np_)), num_warps=8)
+    argmax_reduce_kernel[(T,)](pmax, pidx, out, NP=np_, BLOCK=min(4096, _pow2(np_)), num_warps=8,
+                               **pdl_args(x.device))
     return out

@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from sparkchat.engine.kernels.counters import arrival_counters
+from sparkchat.engine.kernels.pdl import pdl_args, pdl_wait
 
 MAX_TOKENS = 8  # longer non-chunked steps go to the torch twin
 # Programs per head and warps (H200 sweep, docs/benchmarks.md): each head's value columns spread over
@@ -100,6 +101,7 @@ def kda_decode_kernel(
     TP: tl.constexpr, WP: tl.constexpr, KP: tl.constexpr, SAFE_GATE: tl.constexpr, KEEP: tl.constexpr,
     bx_ptr=None, bw_ptr=None,  # FOLD_B: the layer input [T, HID] and b_proj's weight [H, HID], contiguous
     FOLD_B: tl.constexpr = False, HID: tl.constexpr = 1, BKH: tl.constexpr = 1,
+    PDL: tl.constexpr = False,
 ):
     """Program (h, b): head h, value columns [b*DH/NB, (b+1)*DH/NB) of its state (the delta rule never
     mixes value columns). The output norm needs the head's whole o: with NB > 1 each program stores its
@@ -113,6 +115,8 @@ def kda_decode_kernel(
     j = vb * BV + tl.arange(0, BV)  # along dv (columns of S)
     sp = rec_ptr + h * DH * DH + i[:, None] * DH + j[None, :]
     S = tl.load(sp)  # issued first: the state is most of the bytes
+    # The state was last written a whole step ago: its load may overlap the previous kernel (pdl.py).
+    pdl_wait(PDL)
 
     # conv: this head's channels of q, k (all of them, in every program) and v (this program's block)
     c = h * DH
@@ -249,5 +253,5 @@ def kda_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tenso
         float(head_dim ** -0.5), float(lower_bound), float(eps),
         T=T, H=heads, DH=head_dim, KC=K, NB=dv_blocks, TP=triton.next_power_of_2(T),
         WP=triton.next_power_of_2(K - 1 + T), KP=triton.next_power_of_2(K - 1), SAFE_GATE=bool(safe_gate),
-        KEEP=bool(keep_steps), num_warps=num_warps, **fold)
+        KEEP=bool(keep_steps), num_warps=num_warps, **fold, **pdl_args(q.device))
     return o, window, steps

@@ -28,6 +28,7 @@ value is loaded once per thread and reused across its rows. Configs: MoeConfig /
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +36,7 @@ import triton
 import triton.language as tl
 
 from sparkchat.engine.kernels.counters import arrival_counters
+from sparkchat.engine.kernels.pdl import pdl_args, pdl_wait
 
 _MAG2 = tl.constexpr(0x01C001C0)  # e1 e0 m of two bf16 halves (bits 8:6 of each)
 _SIGN2 = tl.constexpr(-0x7FFF8000)  # 0x80008000 as int32: sign bit of each half
@@ -181,12 +183,14 @@ def _decode(ws, ss, R: tl.constexpr):
 @triton.jit
 def _stream(accs, w_e, s_e, row0s, row_stride, srow_stride, KW: tl.constexpr, x_ptr, x_offs, valid,
             BN: tl.constexpr, BKW: tl.constexpr, R: tl.constexpr, NT: tl.constexpr, SKIP: tl.constexpr,
-            UNROLL: tl.constexpr, PREFETCH: tl.constexpr):
+            UNROLL: tl.constexpr, PREFETCH: tl.constexpr, WAIT: tl.constexpr):
     """The k loop over KW words per row. PREFETCH: software-pipelined by one step (step k+1's weight,
-    scale and activation loads are issued before step k is decoded and multiplied)."""
+    scale and activation loads are issued before step k is decoded and multiplied). WAIT: pdl_wait
+    between the first step's weight loads and its first activation load (kernels/pdl.py)."""
     kw = _perm4(tl.arange(0, BKW))
+    ws, ss = _load_tiles(w_e, s_e, row0s, row_stride, srow_stride, 0, BN, BKW, R)
+    pdl_wait(WAIT)
     if PREFETCH:
-        ws, ss = _load_tiles(w_e, s_e, row0s, row_stride, srow_stride, 0, BN, BKW, R)
         xs = _load_x(x_ptr, x_offs, valid, kw * 8, NT)
         for k0 in tl.range(0, KW, BKW, loop_unroll_factor=UNROLL):
             kn = tl.minimum(k0 + BKW, KW - BKW)  # the last step re-reads its own words (cache hits)
@@ -198,7 +202,9 @@ def _stream(accs, w_e, s_e, row0s, row_stride, srow_stride, KW: tl.constexpr, x_
             ss = ss_n
             xs = xs_n
     else:
-        for k0 in tl.range(0, KW, BKW, loop_unroll_factor=UNROLL):
+        cs, scs = _decode(ws, ss, R)
+        accs = _fma_tokens(accs, cs, scs, (), x_ptr, x_offs, kw * 8, valid, NT, R, SKIP, False)
+        for k0 in tl.range(BKW, KW, BKW, loop_unroll_factor=UNROLL):
             ws, ss = _load_tiles(w_e, s_e, row0s, row_stride, srow_stride, k0, BN, BKW, R)
             cs, scs = _decode(ws, ss, R)
             accs = _fma_tokens(accs, cs, scs, (), x_ptr, x_offs, (k0 + kw) * 8, valid, NT, R, SKIP, False)
@@ -247,9 +253,11 @@ def mxfp4_moe_stage1_kernel(
     T: tl.constexpr, K: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
     BN: tl.constexpr, RS: tl.constexpr, BKW: tl.constexpr, UNROLL: tl.constexpr,
     NT: tl.constexpr, K_PAD: tl.constexpr, S_PAD: tl.constexpr, DEDUPE: tl.constexpr, PREFETCH: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     s = tl.program_id(0)  # slot t*K + k
     nb = tl.program_id(1)  # block of RS*BN gate rows (and the matching up rows)
+    pdl_wait(PDL)  # the expert ids may come from the kernel just before: nothing to load earlier
     e = tl.load(ids_ptr + s).to(tl.int32)
     if DEDUPE:
         work = _is_first(ids_ptr, e, s, T * K, S_PAD)
@@ -270,7 +278,7 @@ def mxfp4_moe_stage1_kernel(
         for r in tl.static_range(R):
             row0s = row0s + (nb * (RS * BN) + (r // 2) * BN + (r % 2) * I,)  # even r: gate rows, odd r: up rows
         accs = _stream(_zeros(NT * R, BN, BKW), w_e, s_e, row0s, HW, HG, HW, x_ptr, x_offs, valid,
-                       BN, BKW, R, NT, DEDUPE, UNROLL, PREFETCH)
+                       BN, BKW, R, NT, DEDUPE, UNROLL, PREFETCH, False)
         lim = tl.where(limit > 0, limit, float("inf"))
         for t in tl.static_range(NT):
             out = act_ptr + slots[t] * I + nb * (RS * BN) + sub
@@ -288,7 +296,10 @@ def mxfp4_moe_stage2_kernel(
     T: tl.constexpr, K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, HAS_ADD: tl.constexpr,
     BN: tl.constexpr, RS: tl.constexpr, BKW: tl.constexpr, UNROLL: tl.constexpr,
     NT: tl.constexpr, K_PAD: tl.constexpr, S_PAD: tl.constexpr, DEDUPE: tl.constexpr, PREFETCH: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    """With PDL, the expert ids (written by the router, two or more kernels back) and the first step's
+    weights are read before pdl_wait: the down weights start streaming during stage 1's tail."""
     nb = tl.program_id(0)  # block of RS*BN output rows
     s = tl.program_id(1)  # slot t*K + k
     IW: tl.constexpr = I // 8
@@ -311,11 +322,13 @@ def mxfp4_moe_stage2_kernel(
         for r in tl.static_range(RS):
             row0s = row0s + (nb * (RS * BN) + r * BN,)
         accs = _stream(_zeros(NT * RS, BN, BKW), w_e, s_e, row0s, IW, IG, IW, act_ptr, a_offs, valid,
-                       BN, BKW, RS, NT, DEDUPE, UNROLL, PREFETCH)
+                       BN, BKW, RS, NT, DEDUPE, UNROLL, PREFETCH, PDL)
         for t in tl.static_range(NT):
             out = part_ptr + slots[t] * H + rows
             for r in tl.static_range(RS):
                 tl.store(out + r * BN, tl.sum(accs[t * RS + r], axis=1), mask=valid[t] & (rows >= 0))
+    else:
+        pdl_wait(PDL)
     # The last of the T*K programs of this row block sums the slots (stores above -> barrier -> release).
     tl.debug_barrier()
     done = tl.atomic_add(cnt_ptr + nb, 1, sem="acq_rel", scope="gpu")
@@ -409,6 +422,7 @@ def mxfp4_moe(
     *,
     out: torch.Tensor | None = None,  # [T, H] bf16
     add: torch.Tensor | None = None,  # [T, H] bf16 added to the result (the shared expert's output)
+    join: Callable[[], None] | None = None,  # called before the launch that reads `add` (side stream)
     workspace: MoeWorkspace | None = None,
     config: MoeConfig | None = None,
 ) -> torch.Tensor:
@@ -447,8 +461,11 @@ def mxfp4_moe(
     launch = _plan(T, K, H, inter, cfg)
     w13_i32, w2_i32 = w13.view(torch.int32), w2.view(torch.int32)
     launch.stage1(x, topk_ids, topk_weights, w13_i32, w13_scale, ws.act, float(swiglu_limit))
+    if join is not None:
+        join()
     if add is not None:
-        assert add.shape == (T, H) and add.dtype == torch.bfloat16 and add.is_contiguous()
+        add = add.contiguous()
+        assert add.shape == (T, H) and add.dtype == torch.bfloat16
     launch.stage2(ws.act, topk_ids, w2_i32, w2_scale, ws.part, ws.count, out, add)
     return out
 
@@ -462,11 +479,11 @@ class _Plan:
     meta2: dict
 
     def stage1(self, x, ids, rw, w13_i32, s13, act, limit: float) -> None:
-        mxfp4_moe_stage1_kernel[self.grid1](x, ids, rw, w13_i32, s13, act, limit, **self.meta1)
+        mxfp4_moe_stage1_kernel[self.grid1](x, ids, rw, w13_i32, s13, act, limit, **self.meta1, **pdl_args(x.device))
 
     def stage2(self, act, ids, w2_i32, s2, part, count, out, add=None) -> None:
         mxfp4_moe_stage2_kernel[self.grid2](act, ids, w2_i32, s2, part, count, out, out if add is None else add,
-                                            HAS_ADD=add is not None, **self.meta2)
+                                            HAS_ADD=add is not None, **self.meta2, **pdl_args(act.device))
 
 
 def _plan(T: int, K: int, H: int, inter: int, cfg: MoeConfig) -> _Plan:

@@ -15,13 +15,15 @@ import triton
 import triton.language as tl
 
 from sparkchat.engine.kernels.fp8_gemv import GemvConfig, plain_gemv_partials
+from sparkchat.engine.kernels.pdl import pdl_args, pdl_wait
 
 
 @triton.jit
 def route_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, scaling,
                  E: tl.constexpr, G: tl.constexpr, TG: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
-                 RENORM: tl.constexpr, T: tl.constexpr, SPLIT: tl.constexpr):
+                 RENORM: tl.constexpr, T: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr = False):
     t = tl.program_id(0)
+    pdl_wait(PDL)
     GS: tl.constexpr = E // G
     ar = tl.arange(0, E)
     logit = tl.load(logits_ptr + t * E + ar)
@@ -78,5 +80,5 @@ def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, groups: int
     w = torch.empty(T, top_k, dtype=torch.float32, device=x.device)
     route_kernel[(T,)](logits, bias, ids, w, float(scaling), E=E, G=groups, TG=top_groups, K=top_k,
                        KP=triton.next_power_of_2(top_k), RENORM=renormalize, T=T, SPLIT=logits.shape[0],
-                       num_warps=num_warps or ROUTE_WARPS)
+                       num_warps=num_warps or ROUTE_WARPS, **pdl_args(x.device))
     return ids, w

@@ -138,11 +138,19 @@ class MoE(nn.Module):
         self.experts = Experts(experts, hidden, inter, limit)
         self.shared_experts = MLP(hidden, inter * shared, shared_limit) if shared else None
         self.fast_experts = None  # set by the GPU path: a callable with Experts.forward's signature
+        self.side_stream = None  # set by the GPU path: the shared expert runs there, alongside the routing
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ids, weights = self.gate(x)
         if self.fast_experts is not None and self.shared_experts is not None:
+            if self.side_stream is not None:
+                from sparkchat.engine.streams import fork
+
+                shared, join = fork(self.side_stream, self.shared_experts, x)
+                ids, weights = self.gate(x)
+                return self.fast_experts(x, ids, weights, add=shared, join=join)
+            ids, weights = self.gate(x)
             return self.fast_experts(x, ids, weights, add=self.shared_experts(x))  # the add fuses in
+        ids, weights = self.gate(x)
         experts = self.experts if self.fast_experts is None else self.fast_experts
         routed = experts(x, ids, weights)
         return routed if self.shared_experts is None else routed + self.shared_experts(x)
