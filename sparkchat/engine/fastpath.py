@@ -48,9 +48,9 @@ class ExpertsKernel:
                  add: torch.Tensor | None = None, join: Callable[[], None] | None = None) -> torch.Tensor:
         """The routed experts' output, plus `add` (the shared expert's) when given: the kernel adds it
         in its final sum, saving a launch. `join`: call before reading `add` (made on a side stream)."""
-        if x.shape[0] > self.MAX_TOKENS:
+        if x.shape[0] > self.MAX_TOKENS:  # prefill: the grouped MXFP4 GEMM (kernels/moe_prefill.py)
             if join is not None:
-                join()  # prefill: the grouped MXFP4 GEMM (kernels/moe_prefill.py)
+                join()
             ex = self.experts
             if x.dtype == torch.bfloat16 and (x.is_cuda or os.environ.get("TRITON_INTERPRET", "0") == "1"):
                 from sparkchat.engine.kernels.moe_prefill import moe_prefill
