@@ -12,6 +12,7 @@ from torch import nn
 
 from sparkchat.engine.nn.linear import GEMV_MAX_TOKENS, FusedLinear, Linear, project
 from sparkchat.engine.nn.ops import ops, register
+from sparkchat.engine.streams import fork
 
 
 @register
@@ -141,16 +142,13 @@ class MoE(nn.Module):
         self.side_stream = None  # set by the GPU path: the shared expert runs there, alongside the routing
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fast_experts is not None and self.shared_experts is not None:
-            if self.side_stream is not None:
-                from sparkchat.engine.streams import fork
-
-                shared, join = fork(self.side_stream, self.shared_experts, x)
-                ids, weights = self.gate(x)
-                return self.fast_experts(x, ids, weights, add=shared, join=join)
+        if self.fast_experts is not None and self.shared_experts is not None and self.side_stream is not None:
+            shared, join = fork(self.side_stream, self.shared_experts, x)  # overlaps the routing
             ids, weights = self.gate(x)
-            return self.fast_experts(x, ids, weights, add=self.shared_experts(x))  # the add fuses in
+            return self.fast_experts(x, ids, weights, add=shared, join=join)  # the add fuses in
         ids, weights = self.gate(x)
+        if self.fast_experts is not None and self.shared_experts is not None:
+            return self.fast_experts(x, ids, weights, add=self.shared_experts(x))
         experts = self.experts if self.fast_experts is None else self.fast_experts
         routed = experts(x, ids, weights)
         return routed if self.shared_experts is None else routed + self.shared_experts(x)
