@@ -3,8 +3,9 @@
     python benchmarks/profile_step.py [--layers N] [--no-compile] [--prefill N] [--ab]
 
 With --prefill N it profiles the prefill of an N-token prompt instead (eager, as the engine runs it).
-With --ab it times the graphed decode step with programmatic dependent launch (kernels/pdl.py) and
-the shared expert's side stream (engine/streams.py) each on and off.
+With --ab it times the graphed decode step with programmatic dependent launch (kernels/pdl.py), the
+shared expert's side stream (engine/streams.py) and the MoE's bf16x2 products (kernels/mxfp4_moe.py)
+all on, each off alone, and all off.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=None)
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--prefill", type=int, default=0, help="profile an N-token prefill instead")
-    ap.add_argument("--ab", action="store_true", help="time PDL and the side stream on and off")
+    ap.add_argument("--ab", action="store_true", help="time PDL, the side stream and packed MoE products on and off")
     args = ap.parse_args()
     if args.compile:
         enable_compile()
@@ -75,15 +76,18 @@ def graph_step_ms(model, state: ConversationState, iters: int = 50) -> float:
 
 
 def compare_overlap(model, state: ConversationState) -> None:
+    """The graphed step with everything on, then each switch off alone, then all off."""
     import os
 
-    for pdl in ("1", "0"):
-        for side in ("1", "0"):
-            os.environ["SPARKCHAT_PDL"], os.environ["SPARKCHAT_SIDE_STREAM"] = pdl, side
-            fastpath.install(model, linears=True, experts=True, head=True)
-            times = [graph_step_ms(model, state) for _ in range(3)]
-            print(f"PDL {'on ' if pdl == '1' else 'off'}  side stream {'on ' if side == '1' else 'off'}  "
-                  f"graph decode step: {min(times):.3f} ms (3 runs: {', '.join(f'{t:.3f}' for t in times)})")
+    switches = ("SPARKCHAT_PDL", "SPARKCHAT_SIDE_STREAM", "SPARKCHAT_MOE_PACKED")
+    for off in ((), *((s,) for s in switches), switches):
+        for name in switches:
+            os.environ[name] = "0" if name in off else "1"
+        fastpath.install(model, linears=True, experts=True, head=True)
+        times = [graph_step_ms(model, state) for _ in range(3)]
+        label = "all on" if not off else ("all off" if len(off) > 1 else f"{off[0]}=0")
+        print(f"{label:<26} graph decode step: {min(times):.3f} ms (3 runs: {', '.join(f'{t:.3f}' for t in times)})",
+              flush=True)
 
 
 def profile_prefill(model, state: ConversationState, n: int) -> None:

@@ -164,8 +164,9 @@ def test_fp8_head_reference_vs_plain():
 @pytest.mark.parametrize("shape", [(16, 256, 128, 4), (512, 2560, 768, 8)], ids=["small", "ling"])
 @pytest.mark.parametrize("T,repeat", [(1, 0), (2, 4), (4, 0), (4, 4), (5, 2)])
 @pytest.mark.parametrize("limit", [0.0, 4.0])
-@pytest.mark.parametrize("dedupe,prefetch", [(True, False), (False, False), (False, True)])
-def test_mxfp4_moe_gpu(shape, T, repeat, limit, dedupe, prefetch):
+@pytest.mark.parametrize("dedupe,prefetch,packed", [(True, False, False), (False, False, False), (False, True, False),
+                                                    (False, False, True)])
+def test_mxfp4_moe_gpu(shape, T, repeat, limit, dedupe, prefetch, packed):
     from sparkchat.engine.kernels.mxfp4_moe import MoeConfig, moe_config, mxfp4_moe, mxfp4_moe_workspace
     E, H, I, K = shape
     gen = torch.Generator().manual_seed(hash((shape, T, repeat)) % 2**31)
@@ -173,7 +174,7 @@ def test_mxfp4_moe_gpu(shape, T, repeat, limit, dedupe, prefetch):
     ws = mxfp4_moe_workspace(T, K, H, I, "cuda")
     ws.act.fill_(float("nan"))
     ws.part.fill_(float("nan"))
-    cfg = MoeConfig(**{**moe_config(T, H, I).__dict__, "dedupe": dedupe, "prefetch": prefetch})
+    cfg = MoeConfig(**{**moe_config(T, H, I).__dict__, "dedupe": dedupe, "prefetch": prefetch, "packed": packed})
     for _ in range(2):  # fresh inputs, same workspace: the slot counters must have reset
         ids, wts = make_routing(T, K, E, repeat, gen)
         ids, wts = ids.cuda(), wts.cuda()
@@ -286,11 +287,12 @@ _INTERPRET_SCRIPT = textwrap.dedent("""
     from tests.test_kernels import make_experts, make_fp8, make_routing, rel_err
     gen = torch.Generator().manual_seed(0)
     w13, s13, w2, s2 = make_experts(6, 64, 32, gen=gen)
-    for T, repeat, dedupe, limit, prefetch in [(1, 0, True, 0.0, False), (3, 2, True, 0.02, True),
-                                               (2, 3, False, 0.0, False), (1, 0, False, 0.02, True)]:
+    for T, repeat, dedupe, limit, prefetch, packed in [
+            (1, 0, True, 0.0, False, False), (3, 2, True, 0.02, True, False), (2, 3, False, 0.0, False, False),
+            (1, 0, False, 0.02, True, False), (1, 0, False, 0.02, False, True), (3, 2, False, 0.0, False, True)]:
         ids, wts = make_routing(T, 4, 6, repeat, gen)
         x = torch.randn(T, 64, generator=gen).bfloat16()
-        cfg = MoeConfig(bn1=4, rs1=2, bkw1=8, bn2=8, rs2=2, bkw2=4, dedupe=dedupe, prefetch=prefetch)
+        cfg = MoeConfig(bn1=4, rs1=2, bkw1=8, bn2=8, rs2=2, bkw2=4, dedupe=dedupe, prefetch=prefetch, packed=packed)
         out = mxfp4_moe(x, ids, wts, w13, s13, w2, s2, limit, config=cfg)
         want = ref.mxfp4_moe_reference(x, ids, wts, w13, s13, w2, s2, limit)
         assert rel_err(out, want) < 1e-2, T

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -93,6 +93,83 @@ def _word_tile(ptr, row_stride, k0, BN: tl.constexpr, BKW: tl.constexpr, SCALE: 
 def _dot8(c, x0, x1, x2, x3, x4, x5, x6, x7):
     c0, c1, c2, c3, c4, c5, c6, c7 = c
     return c0 * x0 + c1 * x1 + c2 * x2 + c3 * x3 + c4 * x4 + c5 * x5 + c6 * x6 + c7 * x7
+
+
+# PACKED: one word (8 codes) times its 8 activations in bf16x2 arithmetic. $1 = the word; $2..$5 = the
+# activations as bf16x2 (x[8j+i] * 2^100 low, x[8j+i+4] * 2^100 high, i = 0..3). Each pair of codes
+# (i, i+4) becomes one bf16x2 (as in _unpack8), four bf16x2 FMAs sum the products per half, and the
+# two halves are added in fp32: ~22 instructions per 8 weights where _unpack8 + fp32 FMAs take ~37.
+_WORD_DOT_ASM = tl.constexpr("""
+{
+.reg .b32 p, q, a, b;
+shl.b32 a, $1, 6; shl.b32 b, $1, 12; and.b32 a, a, 0x01C001C0; and.b32 b, b, 0x80008000; or.b32 p, a, b;
+mov.b32 q, 0x80008000;
+fma.rn.bf16x2 q, p, $2, q;
+shl.b32 a, $1, 2; shl.b32 b, $1, 8; and.b32 a, a, 0x01C001C0; and.b32 b, b, 0x80008000; or.b32 p, a, b;
+fma.rn.bf16x2 q, p, $3, q;
+shr.u32 a, $1, 2; shl.b32 b, $1, 4; and.b32 a, a, 0x01C001C0; and.b32 b, b, 0x80008000; or.b32 p, a, b;
+fma.rn.bf16x2 q, p, $4, q;
+shr.u32 a, $1, 6; and.b32 a, a, 0x01C001C0; and.b32 b, $1, 0x80008000; or.b32 p, a, b;
+fma.rn.bf16x2 q, p, $5, q;
+shl.b32 a, q, 16; and.b32 b, q, 0xFFFF0000; add.f32 $0, a, b;
+}
+""")
+
+
+@triton.jit
+def _bf16_round(v):
+    """fp32 -> nearest bf16, kept in fp32 (the interpreter's own casts truncate)."""
+    b = v.to(tl.int32, bitcast=True)
+    b = (b + 0x7FFF + ((b >> 16) & 1)) & _HI16
+    return b.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _pack_x(base, offs, INTERPRET: tl.constexpr):
+    """The 8 activations of each word column at base + offs (offs = 8 * word) as 4 bf16x2 int32 [BKW]:
+    x[i] * 2^100 in the low half, x[i + 4] * 2^100 in the high half. The interpreter gets the scaled
+    values as 8 fp32 [BKW], rounded to bf16, instead."""
+    out = ()
+    for i in tl.static_range(4):
+        lo = tl.load(base + offs + i).to(tl.float32) * _X_SCALE
+        hi = tl.load(base + offs + i + 4).to(tl.float32) * _X_SCALE
+        if INTERPRET:
+            out = out + (_bf16_round(lo), _bf16_round(hi))
+        else:
+            lo16 = lo.to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+            hi16 = hi.to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32)
+            out = out + ((hi16 << 16) | lo16,)
+    return out
+
+
+@triton.jit
+def _word_dot(w, xp, INTERPRET: tl.constexpr):
+    """Word tile w [BN, BKW] . packed activations xp (_pack_x) -> fp32 [BN, BKW], each word's 8 products
+    summed in bf16x2 (two chains of four) and the two halves added in fp32. The interpreter emulates
+    the bf16x2 FMAs in fp32 with a bf16 rounding after each."""
+    if INTERPRET:
+        c = _unpack8(w)
+        s_lo = tl.zeros(w.shape, dtype=tl.float32)
+        s_hi = tl.zeros(w.shape, dtype=tl.float32)
+        for i in tl.static_range(4):
+            s_lo = _bf16_round(c[i] * xp[2 * i][None, :] + s_lo)
+            s_hi = _bf16_round(c[i + 4] * xp[2 * i + 1][None, :] + s_hi)
+        d = s_lo + s_hi
+    else:
+        d = tl.inline_asm_elementwise(_WORD_DOT_ASM, "=r,r,r,r,r,r",
+                                      [w, xp[0][None, :], xp[1][None, :], xp[2][None, :], xp[3][None, :]],
+                                      dtype=tl.float32, is_pure=True, pack=1)
+    return d
+
+
+@triton.jit
+def _packed_step(accs, ws, ss, base, offs, R: tl.constexpr, INTERPRET: tl.constexpr):
+    """accs[r] += scale * (word tile r . activations at base + offs), products in bf16x2."""
+    xp = _pack_x(base, offs, INTERPRET)
+    new = ()
+    for r in tl.static_range(R):
+        new = new + (accs[r] + _word_dot(ws[r], xp, INTERPRET) * _e8m0_scale(ss[r]),)
+    return new
 
 
 @triton.jit
@@ -183,14 +260,21 @@ def _decode(ws, ss, R: tl.constexpr):
 @triton.jit
 def _stream(accs, w_e, s_e, row0s, row_stride, srow_stride, KW: tl.constexpr, x_ptr, x_offs, valid,
             BN: tl.constexpr, BKW: tl.constexpr, R: tl.constexpr, NT: tl.constexpr, SKIP: tl.constexpr,
-            UNROLL: tl.constexpr, PREFETCH: tl.constexpr, WAIT: tl.constexpr):
-    """The k loop over KW words per row. PREFETCH: software-pipelined by one step (step k+1's weight,
+            UNROLL: tl.constexpr, PREFETCH: tl.constexpr, WAIT: tl.constexpr, PACKED: tl.constexpr,
+            INTERPRET: tl.constexpr):
+    """The k loop over KW words per row. PACKED: products in bf16x2 (_word_dot; one token only). PREFETCH: software-pipelined by one step (step k+1's weight,
     scale and activation loads are issued before step k is decoded and multiplied). WAIT: pdl_wait
     between the first step's weight loads and its first activation load (kernels/pdl.py)."""
     kw = _perm4(tl.arange(0, BKW))
     ws, ss = _load_tiles(w_e, s_e, row0s, row_stride, srow_stride, 0, BN, BKW, R)
     pdl_wait(WAIT)
-    if PREFETCH:
+    if PACKED:  # one token (NT = 1), bf16x2 products: see _WORD_DOT_ASM
+        base = x_ptr + x_offs[0]
+        accs = _packed_step(accs, ws, ss, base, kw * 8, R, INTERPRET)
+        for k0 in tl.range(BKW, KW, BKW, loop_unroll_factor=UNROLL):
+            ws, ss = _load_tiles(w_e, s_e, row0s, row_stride, srow_stride, k0, BN, BKW, R)
+            accs = _packed_step(accs, ws, ss, base, (k0 + kw) * 8, R, INTERPRET)
+    elif PREFETCH:
         xs = _load_x(x_ptr, x_offs, valid, kw * 8, NT)
         for k0 in tl.range(0, KW, BKW, loop_unroll_factor=UNROLL):
             kn = tl.minimum(k0 + BKW, KW - BKW)  # the last step re-reads its own words (cache hits)
@@ -253,7 +337,7 @@ def mxfp4_moe_stage1_kernel(
     T: tl.constexpr, K: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
     BN: tl.constexpr, RS: tl.constexpr, BKW: tl.constexpr, UNROLL: tl.constexpr,
     NT: tl.constexpr, K_PAD: tl.constexpr, S_PAD: tl.constexpr, DEDUPE: tl.constexpr, PREFETCH: tl.constexpr,
-    PDL: tl.constexpr = False,
+    PACKED: tl.constexpr = False, INTERPRET: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     s = tl.program_id(0)  # slot t*K + k
     nb = tl.program_id(1)  # block of RS*BN gate rows (and the matching up rows)
@@ -278,7 +362,7 @@ def mxfp4_moe_stage1_kernel(
         for r in tl.static_range(R):
             row0s = row0s + (nb * (RS * BN) + (r // 2) * BN + (r % 2) * I,)  # even r: gate rows, odd r: up rows
         accs = _stream(_zeros(NT * R, BN, BKW), w_e, s_e, row0s, HW, HG, HW, x_ptr, x_offs, valid,
-                       BN, BKW, R, NT, DEDUPE, UNROLL, PREFETCH, False)
+                       BN, BKW, R, NT, DEDUPE, UNROLL, PREFETCH, False, PACKED, INTERPRET)
         lim = tl.where(limit > 0, limit, float("inf"))
         for t in tl.static_range(NT):
             out = act_ptr + slots[t] * I + nb * (RS * BN) + sub
@@ -296,7 +380,7 @@ def mxfp4_moe_stage2_kernel(
     T: tl.constexpr, K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, HAS_ADD: tl.constexpr,
     BN: tl.constexpr, RS: tl.constexpr, BKW: tl.constexpr, UNROLL: tl.constexpr,
     NT: tl.constexpr, K_PAD: tl.constexpr, S_PAD: tl.constexpr, DEDUPE: tl.constexpr, PREFETCH: tl.constexpr,
-    PDL: tl.constexpr = False,
+    PACKED: tl.constexpr = False, INTERPRET: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     """With PDL, the expert ids (written by the router, two or more kernels back) and the first step's
     weights are read before pdl_wait: the down weights start streaming during stage 1's tail."""
@@ -322,7 +406,7 @@ def mxfp4_moe_stage2_kernel(
         for r in tl.static_range(RS):
             row0s = row0s + (nb * (RS * BN) + r * BN,)
         accs = _stream(_zeros(NT * RS, BN, BKW), w_e, s_e, row0s, IW, IG, IW, act_ptr, a_offs, valid,
-                       BN, BKW, RS, NT, DEDUPE, UNROLL, PREFETCH, PDL)
+                       BN, BKW, RS, NT, DEDUPE, UNROLL, PREFETCH, PDL, PACKED, INTERPRET)
         for t in tl.static_range(NT):
             out = part_ptr + slots[t] * H + rows
             for r in tl.static_range(RS):
@@ -360,6 +444,7 @@ class MoeConfig:
     warps2: int = 4
     dedupe: bool = True
     prefetch: bool = False  # one-step software pipelining of the k loop (not yet measured on a GPU)
+    packed: bool = False  # bf16x2 products (_WORD_DOT_ASM); one token per program, so not with dedupe
 
 
 # Best measured on the H200 at the Ling-3.0-flash shape (H=2560, I=768, K=8); see docs/benchmarks.md.
@@ -372,8 +457,11 @@ _TUNED: dict[tuple[int, int, int], MoeConfig] = {
 def moe_config(T: int, H: int, I: int) -> MoeConfig:
     """Tuned config for this shape, else a default. Several tokens default to per-slot programs: on
     the H200 DEDUPE's shared decode did not pay for its per-token arithmetic and registers (repeated
-    experts are re-read from L2, not HBM, when their slots run side by side)."""
-    return _TUNED.get((T, H, I)) or (MoeConfig() if T == 1 else MoeConfig(dedupe=False))
+    experts are re-read from L2, not HBM, when their slots run side by side). Products are bf16x2
+    (`packed`) wherever a program serves one token; SPARKCHAT_MOE_PACKED=0 turns that off."""
+    cfg = _TUNED.get((T, H, I)) or (MoeConfig() if T == 1 else MoeConfig(dedupe=False))
+    one_token = T == 1 or not cfg.dedupe
+    return replace(cfg, packed=one_token and os.environ.get("SPARKCHAT_MOE_PACKED", "1") != "0")
 
 
 @dataclass
@@ -491,8 +579,9 @@ def _plan(T: int, K: int, H: int, inter: int, cfg: MoeConfig) -> _Plan:
     bn1, bkw1 = _fit(cfg.bn1, inter), max(4, _fit(cfg.bkw1, H // 8))
     bn2, bkw2 = _fit(cfg.bn2, H), max(4, _fit(cfg.bkw2, inter // 8))
     rs1, rs2 = _fit(cfg.rs1, inter // bn1), _fit(cfg.rs2, H // bn2)
+    assert not (cfg.packed and dedupe), "packed products serve one token per program: use dedupe=False"
     common = dict(T=T, K=K, H=H, I=inter, NT=_pow2(T) if dedupe else 1, K_PAD=_pow2(K), S_PAD=_pow2(T * K),
-                  DEDUPE=dedupe, PREFETCH=cfg.prefetch)
+                  DEDUPE=dedupe, PREFETCH=cfg.prefetch, PACKED=cfg.packed, INTERPRET=_interpreting())
     return _Plan(
         grid1=(T * K, inter // (bn1 * rs1)),
         grid2=(H // (bn2 * rs2), T * K),
