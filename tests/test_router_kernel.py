@@ -44,3 +44,39 @@ def test_router_kernel_matches_torch_twin():
     r = subprocess.run([sys.executable, "-c", SCRIPT.format(cases=CASES)], capture_output=True, text=True,
                        env=env, timeout=300)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-2000:]
+
+
+TIES_SCRIPT = """
+import torch
+from sparkchat.engine.nn.moe import route as ref
+from sparkchat.engine.kernels.router import route
+dev = "cuda" if torch.cuda.is_available() else "cpu"
+torch.manual_seed(1)
+E, G, TG, K, H = 512, 8, 4, 8, 640
+for T in (1, 3, 8):  # several tokens, bf16: the split-K GEMV's partial rows (SPLIT > 1)
+    x = torch.randn(T, H, device=dev).to(torch.bfloat16)
+    # a few distinct weight rows, repeated: many experts share a logit exactly (same row, same sums)
+    W = (torch.randn(6, H, device=dev) * 0.05)[torch.randint(0, 6, (E,), device=dev)]
+    for b in (torch.zeros(E, device=dev), torch.randn(E, device=dev).round() * 0.25):  # ties, tied groups
+        for renorm in (True, False):
+            i1, w1 = ref(x, W, b, G, TG, K, 2.5, renorm)
+            i2, w2 = route(x, W, b, G, TG, K, 2.5, renorm)
+            c = (torch.sigmoid(x.float() @ W.float().T) + b).gather(1, i2)
+            assert (c[:, 1:] <= c[:, :-1]).all(), c  # best first
+            # the kernel's tie rule (tl.argmax's): equal scores -> lower expert id first
+            assert ((c[:, 1:] < c[:, :-1]) | (i2[:, 1:] > i2[:, :-1])).all(), (c, i2)
+            assert torch.allclose(w1, w2, atol=1e-5), (w1, w2)
+            # the twin's topk may order or choose among equal scores differently: compare as sets of scores
+            s1 = (torch.sigmoid(x.float() @ W.float().T) + b).gather(1, i1)
+            assert torch.allclose(s1.sort(-1).values, c.sort(-1).values, atol=1e-5), (s1, c)
+print("ok")
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed (CPU-only CI)")
+def test_router_kernel_ties_and_split_tokens():
+    env = dict(os.environ)
+    if not torch.cuda.is_available():
+        env["TRITON_INTERPRET"] = "1"
+    r = subprocess.run([sys.executable, "-c", TIES_SCRIPT], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-2000:]
