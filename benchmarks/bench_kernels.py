@@ -320,6 +320,10 @@ def gemv_candidates(kind: str, T: int, N: int, K: int, sweep: bool):
     if T > 2:  # several tokens: per-row accumulators keep registers free for the weight tiles
         wide = [GemvConfig(**{**c.__dict__, "row_acc": True}) for c in wide if c.rs == 1 and not c.prefetch]
         wide += [GemvConfig(bn=32, rs=1, bk=64, unroll=2, warps=4), GemvConfig(bn=16, rs=1, bk=128, warps=4)]
+        # [BN, BK] accumulators per token that fit in registers without spilling (sm_90 SASS: 7.4-8.4
+        # instructions per weight for four tokens, no shuffles in the k loop)
+        wide += [GemvConfig(bn=bn, rs=1, bk=bk, unroll=1, warps=w)
+                 for bn, bk, w in ((32, 128, 4), (32, 256, 8), (16, 128, 2), (16, 256, 4), (16, 512, 8))]
     out = base + wide
     if kind == "block" and rows < 200:  # few row blocks: split K
         for split in (2, 4, 8):

@@ -1,0 +1,123 @@
+"""Instruction counts of the decode kernels' inner loops, compiled ahead of time — no GPU needed.
+
+    python benchmarks/sass_stats.py [--arch 90] [--arch 121]
+
+Triton compiles for any NVIDIA target on a CPU-only machine (its wheel bundles ptxas and cuobjdump),
+so this shows what a kernel change does to the SASS before any GPU time is spent: for each kernel,
+the instructions in its k loop per weight a thread streams (MoE stages, fp32 FMA products against
+bf16x2), and the router's whole-kernel count, shuffles and shared-memory traffic. Pointer arguments
+are marked 16-byte aligned, as a real launch specializes them. --arch 121 compiles for the DGX Spark
+(GB10): a portability check of the default path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import sys
+from collections import Counter
+from dataclasses import replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+H, INTER, K, E = 2560, 768, 8, 512
+
+
+def compile_sass(fn, signature: dict, constexprs: dict, warps: int, arch: int) -> list[str] | None:
+    """SASS instruction texts (predicates kept) of fn compiled for sm_<arch>; None when the bundled
+    cuobjdump cannot disassemble that architecture (CUDA 12.8's cannot read sm_121a): compiled, not
+    counted."""
+    sig = {**signature, **{k: "constexpr" for k in constexprs}}
+    pointers = [i for i, v in enumerate(signature.values()) if v.startswith("*")]
+    attrs = {(i,): [["tt.divisibility", 16]] for i in pointers}
+    kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs),
+                            target=GPUTarget("cuda", arch, 32), options={"num_warps": warps})
+    path = Path("/tmp") / f"sparkchat_sass_{fn.__name__}.cubin"
+    path.write_bytes(kernel.asm["cubin"])
+    done = subprocess.run([str(CUOBJDUMP), "-sass", str(path)], capture_output=True, text=True)
+    if done.returncode != 0:
+        return None
+    text = done.stdout
+    return [m.group(2) for line in text.splitlines() if (m := re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);", line))]
+
+
+def _op(ins: str) -> str:
+    words = ins.split()
+    return (words[1] if words[0].startswith("@") else words[0]).split(".")[0]
+
+
+def loop_body(sass: list[str]) -> list[str]:
+    """The instructions of the largest loop (from a backward branch's target to the branch)."""
+    addr = [i * 16 for i in range(len(sass))]
+    best: list[str] = []
+    for i, ins in enumerate(sass):
+        m = re.search(r"BRA\s+(?:`\()?0x([0-9a-f]+)", ins)
+        if m and int(m.group(1), 16) < addr[i]:
+            body = sass[int(m.group(1), 16) // 16: i + 1]
+            best = body if len(body) > len(best) else best
+    return best
+
+
+def report(name: str, instrs: list[str] | None, per: float | None = None) -> None:
+    if instrs is None:
+        print(f"  {name:<46} compiled (the bundled cuobjdump cannot disassemble this architecture)")
+        return
+    ops = Counter(_op(i) for i in instrs)
+    per_w = f"{len(instrs) / per:6.2f} per weight" if per else ""
+    keys = ("SHFL", "REDUX", "BAR", "STS", "LDS", "LDG", "STL")
+    extra = ", ".join(f"{k} {ops[k]}" for k in keys if ops.get(k))
+    print(f"  {name:<46} {len(instrs):6d} instructions {per_w}  [{extra}]")
+
+
+def moe(arch: int) -> None:
+    from sparkchat.engine.kernels import mxfp4_moe as m
+
+    for T in (1, 4):
+        base = m.moe_config(T, H, INTER)
+        for packed in (False, True):
+            cfg = replace(base, packed=packed, dedupe=base.dedupe and not packed)
+            plan = m._plan(T, K, H, INTER, cfg)
+            for stage, fn, sig, meta, rows, bkw, unroll in (
+                (1, m.mxfp4_moe_stage1_kernel,
+                 {"x_ptr": "*bf16", "ids_ptr": "*i32", "rw_ptr": "*fp32", "w13_ptr": "*i32", "s13_ptr": "*u8",
+                  "act_ptr": "*fp32", "limit": "fp32"}, plan.meta1, 2 * cfg.rs1 * cfg.bn1, cfg.bkw1, cfg.unroll1),
+                (2, m.mxfp4_moe_stage2_kernel,
+                 {"act_ptr": "*fp32", "ids_ptr": "*i32", "w2_ptr": "*i32", "s2_ptr": "*u8", "part_ptr": "*fp32",
+                  "cnt_ptr": "*i32", "y_ptr": "*bf16", "add_ptr": "*bf16"}, plan.meta2, cfg.rs2 * cfg.bn2,
+                 cfg.bkw2, cfg.unroll2)):
+                meta = dict(meta)
+                warps = meta.pop("num_warps")
+                meta.update(PDL=True, INTERPRET=False, **({"HAS_ADD": True} if stage == 2 else {}))
+                sass = compile_sass(fn, sig, meta, warps, arch)
+                body = None if sass is None else loop_body(sass)
+                weights = rows * bkw * 8 * unroll / (32 * warps)  # per thread per loop iteration
+                report(f"mxfp4_moe T={T} stage {stage} {'bf16x2' if packed else 'fp32 FMA'} (k loop)", body, weights)
+
+
+def router(arch: int) -> None:
+    from sparkchat.engine.kernels import router as r
+
+    sig = {"logits_ptr": "*fp32", "bias_ptr": "*fp32", "ids_ptr": "*i64", "w_ptr": "*fp32", "scaling": "fp32"}
+    cx = dict(E=E, G=8, TG=4, K=K, KP=8, RENORM=True, T=1, SPLIT=10, PDL=True)
+    report("route_kernel (whole kernel, one warp)", compile_sass(r.route_kernel, sig, cx, r.ROUTE_WARPS, arch))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--arch", type=int, action="append", help="SM version, e.g. 90 (H200) or 121 (GB10)")
+    args = ap.parse_args()
+    for arch in args.arch or [90]:
+        print(f"sm_{arch}:")
+        moe(arch)
+        router(arch)
+
+
+if __name__ == "__main__":
+    main()
