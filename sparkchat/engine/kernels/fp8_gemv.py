@@ -282,9 +282,9 @@ _TUNED: dict[tuple[str, int, int, int], GemvConfig] = {
     ("block", 1, 20480, 2560): _G(bn=8, rs=1, bk=512, unroll=1, warps=2),  # KDA q|k|v|f|g
     ("block", 4, 20480, 2560): _G(bn=32, rs=1, bk=256, unroll=2, warps=4, row_acc=True),
     ("block", 1, 2560, 4096): _G(bn=32, rs=1, bk=256, unroll=1, warps=8, split=4),  # o_proj, MLA dense
-    ("block", 4, 2560, 4096): _G(bn=16, rs=1, bk=256, unroll=1, warps=4, split=4, row_acc=True),
+    ("block", 4, 2560, 4096): _G(bn=32, rs=1, bk=128, unroll=1, warps=4, split=8, row_acc=True),
     ("block", 1, 1536, 2560): _G(bn=8, rs=1, bk=512, unroll=1, warps=2),  # shared expert gate|up
-    ("block", 4, 1536, 2560): _G(bn=16, rs=1, bk=256, unroll=1, warps=4, split=2),
+    ("block", 4, 1536, 2560): _G(bn=16, rs=1, bk=512, unroll=1, warps=8),
     ("block", 1, 2560, 768): _G(bn=8, rs=1, bk=512, unroll=1, warps=2),  # shared expert down
     ("block", 4, 2560, 768): _G(bn=8, rs=1, bk=512, unroll=1, warps=2, row_acc=True),
     ("block", 1, 6912, 2560): _G(bn=16, rs=1, bk=512, unroll=1, warps=4),  # MLA q|kv_a|g
