@@ -36,14 +36,18 @@ print("ok")
 """
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed (CPU-only CI)")
-def test_router_kernel_matches_torch_twin():
+def run_script(script: str) -> None:
+    """Run a check in a fresh interpreter: on the GPU when there is one, else Triton's CPU interpreter."""
     env = dict(os.environ)
     if not torch.cuda.is_available():
         env["TRITON_INTERPRET"] = "1"
-    r = subprocess.run([sys.executable, "-c", SCRIPT.format(cases=CASES)], capture_output=True, text=True,
-                       env=env, timeout=300)
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-2000:]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed (CPU-only CI)")
+def test_router_kernel_matches_torch_twin():
+    run_script(SCRIPT.format(cases=CASES))
 
 
 TIES_SCRIPT = """
@@ -75,8 +79,4 @@ print("ok")
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed (CPU-only CI)")
 def test_router_kernel_ties_and_split_tokens():
-    env = dict(os.environ)
-    if not torch.cuda.is_available():
-        env["TRITON_INTERPRET"] = "1"
-    r = subprocess.run([sys.executable, "-c", TIES_SCRIPT], capture_output=True, text=True, env=env, timeout=300)
-    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-2000:]
+    run_script(TIES_SCRIPT)
