@@ -12,6 +12,8 @@ become one int32 holding two bf16 bit patterns (sign << 15 | e1 e0 m << 6); each
 top of an fp32 is the E2M1 value times 2^-126 (codes with e = 0 are fp32 subnormals: exact, and the
 kernels never flush them). Activations are pre-multiplied by 2^100 so the products are normal floats;
 the 2^(126-100) goes into the E8M0 scale, applied once per word. About 3 integer ops per weight.
+PACKED (the default wherever a program serves one token): the pairs stay bf16x2 and are multiplied by
+bf16x2 activations in one PTX block per word (_WORD_DOT_ASM), no fp32 unpacking.
 
 DEDUPE (T > 1): a slot whose expert already appears at an earlier slot does nothing; the first slot of
 each distinct expert computes every token that chose it (skipping the others at run time), so each
@@ -98,7 +100,8 @@ def _dot8(c, x0, x1, x2, x3, x4, x5, x6, x7):
 # PACKED: one word (8 codes) times its 8 activations in bf16x2 arithmetic. $1 = the word; $2..$5 = the
 # activations as bf16x2 (x[8j+i] * 2^100 low, x[8j+i+4] * 2^100 high, i = 0..3). Each pair of codes
 # (i, i+4) becomes one bf16x2 (as in _unpack8), four bf16x2 FMAs sum the products per half, and the
-# two halves are added in fp32: ~22 instructions per 8 weights where _unpack8 + fp32 FMAs take ~37.
+# two halves are added in fp32. Stage 1's k loop: 3.6 instructions per weight instead of 4.7 with
+# _unpack8 + fp32 FMAs (sm_90 SASS, benchmarks/sass_stats.py); products round to bf16 in each chain.
 _WORD_DOT_ASM = tl.constexpr("""
 {
 .reg .b32 p, q, a, b;
