@@ -76,37 +76,39 @@ def report(name: str, instrs: list[str] | None, per: float | None = None) -> Non
     print(f"  {name:<46} {len(instrs):6d} instructions {per_w}  [{extra}]")
 
 
-def moe(arch: int) -> None:
+_STAGE1_SIG = {"x_ptr": "*bf16", "ids_ptr": "*i32", "rw_ptr": "*fp32", "w13_ptr": "*i32", "s13_ptr": "*u8",
+               "act_ptr": "*fp32", "limit": "fp32"}
+_STAGE2_SIG = {"act_ptr": "*fp32", "ids_ptr": "*i32", "w2_ptr": "*i32", "s2_ptr": "*u8", "part_ptr": "*fp32",
+               "cnt_ptr": "*i32", "y_ptr": "*bf16", "add_ptr": "*bf16"}
+
+
+def moe_loop(T: int, stage: int, packed: bool, arch: int) -> tuple[list[str] | None, float]:
+    """(k-loop SASS or None, weights a thread streams per loop iteration) of one mxfp4_moe stage with
+    the tuned config for T tokens, products packed (bf16x2) or not."""
     from sparkchat.engine.kernels import mxfp4_moe as m
 
-    for T in (1, 4):
-        base = m.moe_config(T, H, INTER)
-        for packed in (False, True):
-            cfg = replace(base, packed=packed, dedupe=base.dedupe and not packed)
-            plan = m._plan(T, K, H, INTER, cfg)
-            for stage, fn, sig, meta, rows, bkw, unroll in (
-                (1, m.mxfp4_moe_stage1_kernel,
-                 {"x_ptr": "*bf16", "ids_ptr": "*i32", "rw_ptr": "*fp32", "w13_ptr": "*i32", "s13_ptr": "*u8",
-                  "act_ptr": "*fp32", "limit": "fp32"}, plan.meta1, 2 * cfg.rs1 * cfg.bn1, cfg.bkw1, cfg.unroll1),
-                (2, m.mxfp4_moe_stage2_kernel,
-                 {"act_ptr": "*fp32", "ids_ptr": "*i32", "w2_ptr": "*i32", "s2_ptr": "*u8", "part_ptr": "*fp32",
-                  "cnt_ptr": "*i32", "y_ptr": "*bf16", "add_ptr": "*bf16"}, plan.meta2, cfg.rs2 * cfg.bn2,
-                 cfg.bkw2, cfg.unroll2)):
-                meta = dict(meta)
-                warps = meta.pop("num_warps")
-                meta.update(PDL=True, INTERPRET=False, **({"HAS_ADD": True} if stage == 2 else {}))
-                sass = compile_sass(fn, sig, meta, warps, arch)
-                body = None if sass is None else loop_body(sass)
-                weights = rows * bkw * 8 * unroll / (32 * warps)  # per thread per loop iteration
-                report(f"mxfp4_moe T={T} stage {stage} {'bf16x2' if packed else 'fp32 FMA'} (k loop)", body, weights)
+    base = m.moe_config(T, H, INTER)
+    cfg = replace(base, packed=packed, dedupe=base.dedupe and not packed)
+    plan = m._plan(T, K, H, INTER, cfg)
+    if stage == 1:
+        fn, sig, meta, rows, bkw, unroll = (m.mxfp4_moe_stage1_kernel, _STAGE1_SIG, plan.meta1,
+                                            2 * cfg.rs1 * cfg.bn1, cfg.bkw1, cfg.unroll1)
+    else:
+        fn, sig, meta, rows, bkw, unroll = (m.mxfp4_moe_stage2_kernel, _STAGE2_SIG, {**plan.meta2, "HAS_ADD": True},
+                                            cfg.rs2 * cfg.bn2, cfg.bkw2, cfg.unroll2)
+    meta = {**meta, "PDL": True, "INTERPRET": False}
+    warps = meta.pop("num_warps")
+    sass = compile_sass(fn, sig, meta, warps, arch)
+    return (None if sass is None else loop_body(sass)), rows * bkw * 8 * unroll / (32 * warps)
 
 
-def router(arch: int) -> None:
+def router_sass(arch: int) -> list[str] | None:
+    """The whole route_kernel (one token, the Ling shape) as the engine launches it."""
     from sparkchat.engine.kernels import router as r
 
     sig = {"logits_ptr": "*fp32", "bias_ptr": "*fp32", "ids_ptr": "*i64", "w_ptr": "*fp32", "scaling": "fp32"}
     cx = dict(E=E, G=8, TG=4, K=K, KP=8, RENORM=True, T=1, SPLIT=10, PDL=True)
-    report("route_kernel (whole kernel, one warp)", compile_sass(r.route_kernel, sig, cx, r.ROUTE_WARPS, arch))
+    return compile_sass(r.route_kernel, sig, cx, r.ROUTE_WARPS, arch)
 
 
 def main() -> None:
@@ -115,8 +117,12 @@ def main() -> None:
     args = ap.parse_args()
     for arch in args.arch or [90]:
         print(f"sm_{arch}:")
-        moe(arch)
-        router(arch)
+        for T in (1, 4):
+            for packed in (False, True):
+                for stage in (1, 2):
+                    body, weights = moe_loop(T, stage, packed, arch)
+                    report(f"mxfp4_moe T={T} stage {stage} {'bf16x2' if packed else 'fp32 FMA'} (k loop)", body, weights)
+        report("route_kernel (whole kernel, one warp)", router_sass(arch))
 
 
 if __name__ == "__main__":
