@@ -3,6 +3,8 @@
     python benchmarks/profile_step.py [--layers N] [--no-compile] [--prefill N] [--ab]
 
 With --prefill N it profiles the prefill of an N-token prompt instead (eager, as the engine runs it).
+With --timeline it traces replays of the graphed decode step and prints, per kernel, its count and
+time inside the graph, and how much of the step no kernel was running (the gaps PDL cannot hide).
 With --ab it times the graphed decode step with programmatic dependent launch (kernels/pdl.py), the
 shared expert's side stream (engine/streams.py) and the MoE's bf16x2 products (kernels/mxfp4_moe.py)
 all on, each off alone, and all off.
@@ -28,6 +30,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=None)
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--prefill", type=int, default=0, help="profile an N-token prefill instead")
+    ap.add_argument("--timeline", action="store_true", help="per-kernel times inside the graphed step")
     ap.add_argument("--ab", action="store_true", help="time PDL, the side stream and packed MoE products on and off")
     args = ap.parse_args()
     if args.compile:
@@ -44,6 +47,9 @@ def main() -> None:
         return
     if args.ab:
         compare_overlap(model, state)
+        return
+    if args.timeline:
+        graph_timeline(model, state)
         return
     state.token_ids = [0] * 1024
     eager = Decoder(model, state)
@@ -73,6 +79,46 @@ def graph_step_ms(model, state: ConversationState, iters: int = 50) -> float:
     end.record()
     end.synchronize()
     return start.elapsed_time(end) / iters
+
+
+def graph_timeline(model, state: ConversationState, replays: int = 5) -> None:
+    """Kernel records of graph replays (CUPTI traces the kernels inside a graph): per kernel name, the
+    calls and summed duration of one step, and the step's wall time against the union of busy time."""
+    import collections
+    import json
+    import tempfile
+
+    state.token_ids = [0] * 1024
+    graphed = Decoder(model, state, StepGraphs(model, state))
+    for _ in range(3):
+        graphed.forward([1])
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graphed.forward([1])
+        torch.cuda.synchronize()
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        trace = json.load(open(f.name))
+    kernels = sorted((e for e in trace["traceEvents"] if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+    per_step = len(kernels) // replays
+    step = kernels[-per_step:]  # the last replay: caches and clocks warm
+    t0, t1 = step[0]["ts"], max(e["ts"] + e["dur"] for e in step)
+    busy, end = 0.0, t0
+    for e in step:  # union of [ts, ts + dur) over both streams
+        s0, s1 = max(e["ts"], end), e["ts"] + e["dur"]
+        if s1 > s0:
+            busy += s1 - s0
+        end = max(end, s1)
+    by_name: dict[str, list[float]] = collections.defaultdict(list)
+    for e in step:
+        by_name[e["name"]].append(e["dur"])
+    total = sum(sum(v) for v in by_name.values())
+    print(f"kernels per decode step: {per_step}; step {t1 - t0:.1f} us, some kernel running {busy:.1f} us, "
+          f"idle {t1 - t0 - busy:.1f} us; summed kernel time {total:.1f} us (overlap counted twice)")
+    print(f"{'us/step':>8} {'calls':>6} {'us/call':>8}  kernel")
+    for name, durs in sorted(by_name.items(), key=lambda kv: -sum(kv[1])):
+        print(f"{sum(durs):8.1f} {len(durs):6d} {sum(durs) / len(durs):8.2f}  {name[:90]}")
 
 
 def compare_overlap(model, state: ConversationState) -> None:

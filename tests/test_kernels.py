@@ -346,3 +346,61 @@ def test_kernels_under_triton_interpreter():
     proc = subprocess.run([sys.executable, "-c", _INTERPRET_SCRIPT], cwd=root, env=env,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "interpreter ok" in proc.stdout, proc.stderr[-3000:]
+
+
+_MMA_SCRIPT = textwrap.dedent("""
+    import torch
+    from sparkchat.engine.kernels import GemvConfig, fp8_block_gemv, fp8_head_argmax, fp8_head_gemv
+    from sparkchat.engine.kernels import reference as ref
+    from sparkchat.engine.kernels.fp8_gemv import fp8_block_gemv_add_norm, fp8_block_gemv_swiglu
+    from sparkchat.engine.nn.moe import swiglu
+    from sparkchat.engine.nn.ops import add_rms_norm
+    from tests.test_kernels import make_fp8, rel_err
+    gen = torch.Generator().manual_seed(1)
+    w, si = make_fp8(200, 512, gen=gen)  # 200 rows: the last 64-row tile is partly masked
+    for T in (1, 4, 5):
+        x = torch.randn(T, 512, generator=gen).bfloat16()
+        # columns far apart in magnitude: fp16 holds them only under the per-token power of two
+        x[0, :5] *= 3e4
+        x[-1] *= 1e-20  # a whole token below fp16's smallest subnormal
+        want = ref.fp8_block_gemv_reference(x, w, si)
+        for cfg in (GemvConfig(bn=64, rs=1, bk=128, warps=4, mma=True, stages=2),
+                    GemvConfig(bn=32, rs=1, bk=64, warps=4, mma=True, split=2),
+                    GemvConfig(bn=128, rs=1, bk=128, warps=8, mma=True, split=4, stages=1)):
+            got = fp8_block_gemv(x, w, si, config=cfg)
+            assert rel_err(got, want) < 1e-2, (T, cfg)
+            for t in range(T):  # each token on its own, tiny ones included
+                assert rel_err(got[t], want[t]) < 1e-2, (T, t, cfg)
+    wd, wd_si = make_fp8(72, 256, gen=gen)
+    gu = torch.randn(4, 640, generator=gen).bfloat16()
+    act = swiglu(gu[:, :256].float(), gu[:, 384:640].float(), 0.7).bfloat16()
+    got = fp8_block_gemv_swiglu(gu, 384, 0.7, wd, wd_si, config=GemvConfig(bn=32, rs=1, bk=128, mma=True, split=2))
+    assert rel_err(got, ref.fp8_block_gemv_reference(act, wd, wd_si)) < 1e-2
+    xw = torch.randn(4, 512, generator=gen).bfloat16()
+    res = torch.randn(4, 200, generator=gen).bfloat16()
+    nw = (torch.rand(200, generator=gen) + 0.5).bfloat16()
+    s_ref, h_ref = add_rms_norm(res, ref.fp8_block_gemv_reference(xw, w, si), nw, 1e-6)
+    s_got, h_got = fp8_block_gemv_add_norm(xw, w, si, res, nw, 1e-6,
+                                           config=GemvConfig(bn=64, rs=1, bk=128, mma=True, split=4))
+    assert rel_err(s_got, s_ref) < 1e-2 and rel_err(h_got, h_ref) < 1e-2
+    scale = torch.rand(200, generator=gen) + 0.5
+    for T in (1, 4):
+        x = torch.randn(T, 512, generator=gen).bfloat16()
+        want = ref.fp8_head_gemv_reference(x, w, scale)
+        for cfg in (GemvConfig(bn=64, rs=1, bk=128, mma=True), GemvConfig(bn=128, rs=1, bk=256, warps=8, mma=True, split=2)):
+            assert rel_err(fp8_head_gemv(x, w, scale, config=cfg), want) < 1e-5, (T, cfg)
+            assert torch.equal(fp8_head_argmax(x, w, scale, config=cfg), want.argmax(-1)), (T, cfg)
+    print("interpreter ok")
+""")
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+def test_mma_gemv_under_triton_interpreter():
+    """fp8_mma_kernel (the tensor-core GEMV for verify windows) against the torch twins: block and row
+    scales, split-K, masked row tiles, the SwiGLU and add+norm front ends, and activations spanning far
+    more than fp16's range."""
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-c", _MMA_SCRIPT], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "interpreter ok" in proc.stdout, proc.stderr[-3000:]

@@ -198,6 +198,80 @@ def fp8_gemv_kernel(
 
 
 @triton.jit
+def _f16_exact(x):
+    """x [BK, TN] (bf16 values, fp32) as fp16 times a power of two per column (token): each column is
+    scaled so its largest magnitude lands in [2^14, 2^15) (fp16 holds every bf16 mantissa, not its
+    range). Returns (fp16 tile, 1 / scale [TN]); the products with fp16 weights stay exact."""
+    amax = tl.max(tl.abs(x), axis=0)
+    e = tl.maximum((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF, 16)  # biased exponent; 0/denormal -> 16
+    up = ((268 - e) << 23).to(tl.float32, bitcast=True)  # 2^(14 - unbiased exponent)
+    down = ((e - 14) << 23).to(tl.float32, bitcast=True)
+    return (x * up[None, :]).to(tl.float16), down
+
+
+@triton.jit
+def fp8_mma_kernel(
+    x_ptr, w_ptr, s_ptr, y_ptr, pmax_ptr, pidx_ptr,
+    T: tl.constexpr, N: tl.constexpr, K: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
+    SCALE: tl.constexpr,  # 0: scale_inv [ceil(N/128), ceil(K/128)]; 1: scale [N]
+    OUT: tl.constexpr,  # as fp8_gemv_kernel: 0 bf16 y, 1 fp32 y, 2 per-program (max, argmax), 3 split partials
+    SPLIT: tl.constexpr, STAGES: tl.constexpr,
+    XS: tl.constexpr = 0, XU: tl.constexpr = 0, X_SWIGLU: tl.constexpr = False, lim=float("inf"),
+    PDL: tl.constexpr = False,
+):
+    """fp8_gemv_kernel's results for a window of T ≤ 16 tokens on the tensor cores: rows
+    [pid*BM, +BM) of y = x @ w.T as [BM, 16] MMA tiles, the tokens (zero-padded to 16) the N side.
+    Weights go e4m3 -> fp16 (exact, one conversion per two weights) and the activations to fp16 under
+    a per-token power of two per k step (_f16_exact), so every product is exact and accumulates in fp32,
+    as the FMA kernel's do. Where CUDA cores pay T FMAs per weight, the MMA pays one pass for all
+    tokens, and Triton's pipeliner keeps STAGES k steps of weights in flight (cp.async)."""
+    pid = tl.program_id(0)
+    NP = tl.num_programs(0)
+    TN: tl.constexpr = 16
+    rows = pid * BM + tl.arange(0, BM)
+    toks = tl.arange(0, TN)
+    kk = tl.arange(0, BK)
+    KS: tl.constexpr = K // SPLIT
+    KB: tl.constexpr = (K + SCALE_BLOCK - 1) // SCALE_BLOCK
+    XSTRIDE: tl.constexpr = K if XS == 0 else XS
+    k_lo = tl.program_id(1) * KS
+    rmask = rows < N
+    tmask = toks < T
+    acc = tl.zeros([BM, TN], dtype=tl.float32)
+    pdl_wait(PDL)  # the activations are read inside the pipelined loop
+    for kb in tl.range(0, KS, BK, num_stages=STAGES):
+        cols = k_lo + kb + kk
+        w = tl.load(w_ptr + rows[:, None] * K + cols[None, :], mask=rmask[:, None], other=0.0)
+        xp = x_ptr + toks[None, :] * XSTRIDE + cols[:, None]
+        xv = tl.load(xp, mask=tmask[None, :], other=0.0).to(tl.float32)  # [BK, TN]
+        if X_SWIGLU:
+            up = tl.load(xp + XU, mask=tmask[None, :], other=0.0).to(tl.float32)
+            a = tl.minimum(xv / (1.0 + tl.exp(-xv)), lim)
+            xv = (a * tl.minimum(tl.maximum(up, -lim), lim)).to(tl.bfloat16).to(tl.float32)
+        xh, down = _f16_exact(xv)
+        part = tl.dot(w.to(tl.float16), xh)
+        if SCALE == 0:  # BM rows sit in one 128-row scale block, BK columns in one 128-column block
+            down = down * tl.load(s_ptr + (pid * BM // SCALE_BLOCK) * KB + (k_lo + kb) // SCALE_BLOCK)
+        acc += part * down[None, :]
+    if SCALE == 1 and OUT != 3:
+        acc = acc * tl.load(s_ptr + rows, mask=rmask, other=0.0)[:, None]
+    if OUT == 2:
+        y = tl.where(rmask[:, None], acc, float("-inf"))
+        tl.store(pmax_ptr + toks * NP + pid, tl.max(y, axis=0), mask=tmask)
+        tl.store(pidx_ptr + toks * NP + pid, pid * BM + tl.argmax(y, axis=0, tie_break_left=True), mask=tmask)
+    else:
+        m = rmask[:, None] & tmask[None, :]
+        if OUT == 3:
+            yp = y_ptr + (tl.program_id(1) * T + toks[None, :]) * N + rows[:, None]
+        else:
+            yp = y_ptr + toks[None, :] * N + rows[:, None]
+        if OUT == 0:
+            tl.store(yp, acc.to(tl.bfloat16), mask=m)
+        else:
+            tl.store(yp, acc, mask=m)
+
+
+@triton.jit
 def splitk_reduce_kernel(part_ptr, s_ptr, y_ptr, TN: tl.constexpr, N: tl.constexpr, SPLIT: tl.constexpr,
                          SCALE: tl.constexpr, OUT_BF16: tl.constexpr, BLOCK: tl.constexpr,
                          PDL: tl.constexpr = False):
@@ -269,6 +343,8 @@ class GemvConfig:
     prefetch: bool = False  # one-step software pipelining of the k loop
     split: int = 1  # split-K programs per row block (partials summed by a second, tiny kernel)
     row_acc: bool = False  # reduce over k every step into per-row accumulators (for several tokens)
+    mma: bool = False  # fp8_mma_kernel: bn rows x 16 tokens tensor-core tiles (bk ≤ 128 with block scales)
+    stages: int = 3  # mma: k steps of weights in flight
 
 
 # Best measured on the H200 at the Ling-3.0-flash shapes, by (kind, T, N, K); docs/benchmarks.md has
@@ -351,21 +427,35 @@ def _split_for(K: int, bk: int, split: int) -> int:
     return split
 
 
+def _gemv(x, w, s, y, pmax, pidx, scale_kind: int, out_kind: int, cfg: GemvConfig, bk: int, split: int,
+          **extra) -> None:
+    """One launch of the configured kernel (FMA or tensor-core) over a (row blocks, split) grid."""
+    T = x.shape[0]
+    N, K = w.shape
+    grid = (triton.cdiv(N, cfg.bn * cfg.rs), split)
+    if cfg.mma:
+        assert scale_kind in (0, 1) and T <= 16 and K % (split * bk) == 0 and cfg.rs == 1
+        assert scale_kind == 1 or (128 % cfg.bn == 0 and 128 % bk == 0), "mma tiles inside one scale block"
+        fp8_mma_kernel[grid](x, w, s, y, pmax, pidx, T=T, N=N, K=K, BM=cfg.bn, BK=bk, SCALE=scale_kind,
+                             OUT=out_kind, SPLIT=split, STAGES=cfg.stages, num_warps=cfg.warps, **extra,
+                             **pdl_args(x.device))
+        return
+    assert 128 % (cfg.bn * cfg.rs) == 0, "bn * rs must divide the 128-row scale block"
+    fp8_gemv_kernel[grid](x, w, s, y, pmax, pidx, T=T, N=N, K=K, BN=cfg.bn, RS=cfg.rs, BK=bk, UNROLL=cfg.unroll,
+                          SCALE=scale_kind, OUT=out_kind, SPLIT=split, PREFETCH=cfg.prefetch, ROW_ACC=cfg.row_acc,
+                          num_warps=cfg.warps, **extra, **pdl_args(x.device))
+
+
 def _launch(x, w, s, y, pmax, pidx, scale_kind: int, out_kind: int, cfg: GemvConfig, **extra) -> None:
     T = x.shape[0]
     N, K = w.shape
     bk = min(cfg.bk, _pow2(K))
-    assert 128 % (cfg.bn * cfg.rs) == 0, "bn * rs must divide the 128-row scale block"
     split = _split_for(K, bk, cfg.split) if out_kind in (0, 1) else 1
-    grid = (triton.cdiv(N, cfg.bn * cfg.rs), split)
-    common = dict(T=T, N=N, K=K, BN=cfg.bn, RS=cfg.rs, BK=bk, UNROLL=cfg.unroll, SCALE=scale_kind,
-                  SPLIT=split, PREFETCH=cfg.prefetch, ROW_ACC=cfg.row_acc, num_warps=cfg.warps, **extra,
-                  **pdl_args(x.device))
     if split == 1:
-        fp8_gemv_kernel[grid](x, w, s, y, pmax, pidx, OUT=out_kind, **common)
+        _gemv(x, w, s, y, pmax, pidx, scale_kind, out_kind, cfg, bk, 1, **extra)
         return
     part = torch.empty(split, T, N, dtype=torch.float32, device=x.device)
-    fp8_gemv_kernel[grid](x, w, s, part, pmax, pidx, OUT=3, **common)
+    _gemv(x, w, s, part, pmax, pidx, scale_kind, 3, cfg, bk, split, **extra)
     block = 1024
     splitk_reduce_kernel[(triton.cdiv(T * N, block),)](part, s, y, TN=T * N, N=N, SPLIT=split,
                                                         SCALE=scale_kind, OUT_BF16=out_kind == 0,
@@ -400,13 +490,9 @@ def fp8_block_gemv_add_norm(
     assert norm_w.shape == (N,) and norm_w.dtype == torch.bfloat16 and norm_w.is_contiguous()
     cfg = config or gemv_config("block", T, N, K)
     bk = min(cfg.bk, _pow2(K))
-    assert 128 % (cfg.bn * cfg.rs) == 0, "bn * rs must divide the 128-row scale block"
     split = _split_for(K, bk, cfg.split)
     part = torch.empty(split, T, N, dtype=torch.float32, device=x.device)
-    fp8_gemv_kernel[(triton.cdiv(N, cfg.bn * cfg.rs), split)](
-        x, w, scale_inv, part, part, part, T=T, N=N, K=K, BN=cfg.bn, RS=cfg.rs, BK=bk, UNROLL=cfg.unroll,
-        SCALE=0, SPLIT=split, PREFETCH=cfg.prefetch, ROW_ACC=cfg.row_acc, OUT=3, num_warps=cfg.warps,
-        **pdl_args(x.device))
+    _gemv(x, w, scale_inv, part, part, part, 0, 3, cfg, bk, split)
     s_out = torch.empty_like(residual)
     h = torch.empty_like(residual)
     splitk_add_norm_kernel[(T,)](part, residual, norm_w, s_out, h, float(eps), N=N, T=T, SPLIT=split,
