@@ -324,6 +324,10 @@ def gemv_candidates(kind: str, T: int, N: int, K: int, sweep: bool):
         # instructions per weight for four tokens, no shuffles in the k loop)
         wide += [GemvConfig(bn=bn, rs=1, bk=bk, unroll=1, warps=w)
                  for bn, bk, w in ((32, 128, 4), (32, 256, 8), (16, 128, 2), (16, 256, 4), (16, 512, 8))]
+        # the tensor-core kernel (bn rows x 16 tokens MMA tiles), a few pipeline depths and splits
+        wide += [GemvConfig(bn=bn, rs=1, bk=128, warps=w, stages=st, split=sp, mma=True)
+                 for bn, w in ((64, 4), (128, 8)) for st in (3, 4) for sp in (1, 2, 4)
+                 if K % (sp * 128) == 0 and (kind == "block" or sp == 1)]
     out = base + wide
     if kind == "block" and rows < 200:  # few row blocks: split K
         for split in (2, 4, 8):
@@ -443,14 +447,14 @@ def bench_kda(rec: Recorder, sweep: bool) -> None:
 
     opsmod.enable_compile()
     heads, dh = 32, 128
-    for T, keep in ((1, False), (5, True)):
+    for T, keep in ((1, False), (4, True)):
         x, (conv, recur), w = make_inputs(T, heads, dh, 4, torch.bfloat16, "cuda")
         args = (*x, conv, recur, *w, heads, dh, True, -5.0, 1e-6, keep, False)
         fns = {"compiled torch twin": lambda: opsmod.ops.kda_core(*args)}
         launches = [(None, None)]  # the kernel's default for this window
         if sweep:
-            launches += ([(1, 8), (4, 4), (4, 2), (8, 4), (8, 2)] if T == 1 else
-                         [(1, 8), (2, 8), (4, 8), (4, 4), (8, 4)])
+            launches += ([(1, 8), (4, 4), (4, 2), (8, 4), (8, 2), (8, 1), (16, 1), (16, 2)] if T == 1 else
+                         [(1, 8), (2, 8), (4, 8), (4, 4), (8, 4), (8, 2), (8, 1), (16, 1), (16, 2), (4, 2)])
         for nb, nw in launches:
             label = "default" if nb is None else f"dv_blocks={nb} warps={nw}"
             fns[f"kernel {label}"] = lambda nb=nb, nw=nw: kda_decode(*args, dv_blocks=nb, num_warps=nw)

@@ -31,6 +31,7 @@ def main() -> None:
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--prefill", type=int, default=0, help="profile an N-token prefill instead")
     ap.add_argument("--timeline", action="store_true", help="per-kernel times inside the graphed step")
+    ap.add_argument("--tokens", type=int, default=1, help="--timeline: a verify of this many tokens instead")
     ap.add_argument("--ab", action="store_true", help="time PDL, the side stream and packed MoE products on and off")
     args = ap.parse_args()
     if args.compile:
@@ -49,7 +50,7 @@ def main() -> None:
         compare_overlap(model, state)
         return
     if args.timeline:
-        graph_timeline(model, state)
+        graph_timeline(model, state, args.tokens)
         return
     state.token_ids = [0] * 1024
     eager = Decoder(model, state)
@@ -81,7 +82,7 @@ def graph_step_ms(model, state: ConversationState, iters: int = 50) -> float:
     return start.elapsed_time(end) / iters
 
 
-def graph_timeline(model, state: ConversationState, replays: int = 5) -> None:
+def graph_timeline(model, state: ConversationState, tokens: int = 1, replays: int = 5) -> None:
     """Kernel records of graph replays (CUPTI traces the kernels inside a graph): per kernel name, the
     calls and summed duration of one step, and the step's wall time against the union of busy time."""
     import collections
@@ -91,11 +92,11 @@ def graph_timeline(model, state: ConversationState, replays: int = 5) -> None:
     state.token_ids = [0] * 1024
     graphed = Decoder(model, state, StepGraphs(model, state))
     for _ in range(3):
-        graphed.forward([1])
+        graphed.forward([1] * tokens, keep_steps=tokens > 1)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(replays):
-            graphed.forward([1])
+            graphed.forward([1] * tokens, keep_steps=tokens > 1)
         torch.cuda.synchronize()
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
@@ -114,7 +115,7 @@ def graph_timeline(model, state: ConversationState, replays: int = 5) -> None:
     for e in step:
         by_name[e["name"]].append(e["dur"])
     total = sum(sum(v) for v in by_name.values())
-    print(f"kernels per decode step: {per_step}; step {t1 - t0:.1f} us, some kernel running {busy:.1f} us, "
+    print(f"kernels per {tokens}-token step: {per_step}; step {t1 - t0:.1f} us, some kernel running {busy:.1f} us, "
           f"idle {t1 - t0 - busy:.1f} us; summed kernel time {total:.1f} us (overlap counted twice)")
     print(f"{'us/step':>8} {'calls':>6} {'us/call':>8}  kernel")
     for name, durs in sorted(by_name.items(), key=lambda kv: -sum(kv[1])):

@@ -259,6 +259,44 @@ def test_fp8_block_gemv_gpu(N, K, T, prefetch, split, bk, row_acc):
 
 
 @gpu
+@pytest.mark.parametrize("N,K", [(200, 256), (2560, 4096), (20480, 2560), (1536, 2560), (2560, 768)])
+@pytest.mark.parametrize("T", [1, 2, 4, 5, 8])
+@pytest.mark.parametrize("bn,warps,stages,split", [(64, 4, 3, 1), (128, 8, 4, 2), (32, 4, 2, 3)])
+def test_fp8_mma_gemv_gpu(N, K, T, bn, warps, stages, split):
+    """The tensor-core GEMV at the real shapes against the torch twin, every token on its own."""
+    from sparkchat.engine.kernels.fp8_gemv import GemvConfig, fp8_block_gemv
+    gen = torch.Generator().manual_seed(N + K + T)
+    w, si = make_fp8(N, K, "cuda", gen)
+    x = torch.randn(T, K, generator=gen).bfloat16().cuda()
+    x[0, :3] *= 3e4
+    x[-1] *= 1e-20
+    out = torch.full((T, N), float("nan"), dtype=torch.bfloat16, device="cuda")
+    cfg = GemvConfig(bn=bn, rs=1, bk=128, warps=warps, stages=stages, split=split, mma=True)
+    fp8_block_gemv(x, w, si, out=out, config=cfg)
+    want = ref.fp8_block_gemv_reference(x, w, si)
+    for t in range(T):
+        assert rel_err(out[t], want[t]) < 1e-2, t
+
+
+@gpu
+@pytest.mark.parametrize("T", [1, 4, 5])
+def test_fp8_mma_head_gpu(T):
+    from sparkchat.engine.kernels import fp8_head_argmax, fp8_head_gemv
+    from sparkchat.engine.kernels.fp8_gemv import GemvConfig
+    gen = torch.Generator().manual_seed(T)
+    w, _ = make_fp8(157184, 2560, "cuda", gen)
+    scale = (torch.rand(157184, generator=gen) * 0.02 + 0.01).cuda()
+    x = torch.randn(T, 2560, generator=gen).bfloat16().cuda()
+    want = ref.fp8_head_gemv_reference(x, w, scale)
+    for cfg in (GemvConfig(bn=256, rs=1, bk=128, warps=8, stages=4, mma=True),
+                GemvConfig(bn=128, rs=1, bk=128, warps=4, stages=3, mma=True)):
+        assert rel_err(fp8_head_gemv(x, w, scale, config=cfg), want) < 1e-5, cfg
+        tok = fp8_head_argmax(x, w, scale, config=cfg)
+        picked = want.gather(1, tok[:, None])[:, 0]
+        assert torch.allclose(picked, want.max(-1).values, rtol=1e-5, atol=1e-5), cfg
+
+
+@gpu
 @pytest.mark.parametrize("V,H", [(300, 256), (157184, 2560)])
 @pytest.mark.parametrize("T", [1, 2, 4, 5])
 def test_fp8_head_gpu(V, H, T):

@@ -348,22 +348,25 @@ class GemvConfig:
 
 
 # Best measured on the H200 at the Ling-3.0-flash shapes, by (kind, T, N, K); docs/benchmarks.md has
-# the sweep. Wide k steps over few rows won: more bytes in flight per program, fewer idle tails.
+# the sweep. Wide k steps over few rows won at one token: more bytes in flight per program, fewer idle
+# tails. At four tokens the tensor-core kernel wins where N is large (KDA, MLA, shared gate|up, head);
+# the small-N output and down projections stay on FMAs.
 _G = GemvConfig
 _TUNED: dict[tuple[str, int, int, int], GemvConfig] = {
     ("head", 1, 157184, 2560): _G(bn=8, rs=1, bk=512, unroll=1, warps=2),
-    ("head", 4, 157184, 2560): _G(bn=64, rs=1, bk=128, unroll=1, warps=8, row_acc=True),
+    ("head", 4, 157184, 2560): _G(bn=128, rs=1, bk=128, warps=4, mma=True, stages=3),
     ("plain", 1, 512, 2560): _G(bn=16, rs=1, bk=128, unroll=2, warps=4, split=10),  # router logits
     ("plain", 4, 512, 2560): _G(bn=8, rs=1, bk=512, unroll=2, warps=2, split=5),
     ("block", 1, 20480, 2560): _G(bn=8, rs=1, bk=512, unroll=1, warps=2),  # KDA q|k|v|f|g
-    ("block", 4, 20480, 2560): _G(bn=32, rs=1, bk=256, unroll=2, warps=4, row_acc=True),
+    ("block", 4, 20480, 2560): _G(bn=64, rs=1, bk=128, warps=4, mma=True, stages=3),
     ("block", 1, 2560, 4096): _G(bn=32, rs=1, bk=256, unroll=1, warps=8, split=4),  # o_proj, MLA dense
     ("block", 4, 2560, 4096): _G(bn=32, rs=1, bk=128, unroll=1, warps=4, split=8, row_acc=True),
     ("block", 1, 1536, 2560): _G(bn=8, rs=1, bk=512, unroll=1, warps=2),  # shared expert gate|up
-    ("block", 4, 1536, 2560): _G(bn=16, rs=1, bk=512, unroll=1, warps=8),
+    ("block", 4, 1536, 2560): _G(bn=64, rs=1, bk=128, warps=4, split=5, mma=True, stages=4),
     ("block", 1, 2560, 768): _G(bn=8, rs=1, bk=512, unroll=1, warps=2),  # shared expert down
     ("block", 4, 2560, 768): _G(bn=8, rs=1, bk=512, unroll=1, warps=2, row_acc=True),
     ("block", 1, 6912, 2560): _G(bn=16, rs=1, bk=512, unroll=1, warps=4),  # MLA q|kv_a|g
+    ("block", 4, 6912, 2560): _G(bn=64, rs=1, bk=128, warps=4, split=2, mma=True, stages=3),
     ("block", 1, 12288, 2560): _G(bn=32, rs=1, bk=256, unroll=1, warps=8),  # dense MLP gate|up
     ("block", 1, 2560, 6144): _G(bn=32, rs=1, bk=256, unroll=1, warps=8, split=4),  # dense MLP down
 }
@@ -376,6 +379,12 @@ def gemv_config(kind: str, T: int, N: int | None = None, K: int | None = None) -
     tuned = _TUNED.get((kind, T, N, K))
     if tuned is not None:
         return tuned
+    if 4 <= T <= 16 and N is not None and K is not None and N >= 4096 and K % 128 == 0:
+        # a verify window over many rows: tensor cores (measured at T = 4; their cost does not grow with
+        # T, the FMA kernel's does), split-K until the row blocks fill the SMs once
+        bn, steps = (128, 1) if kind == "head" else (64, K // 128)
+        split = next(s for s in range(1, steps + 1) if steps % s == 0 and -(-N // bn) * s >= _sm_count())
+        return GemvConfig(bn=bn, rs=1, bk=128, warps=4, split=split, mma=True, stages=3)
     cfg = GemvConfig(bn=16, rs=1, bk=256, unroll=1, warps=4) if T == 1 else (
         GemvConfig() if T <= 2 else GemvConfig(rs=1))
     if N is None or K is None or kind == "head":
