@@ -379,11 +379,13 @@ def gemv_config(kind: str, T: int, N: int | None = None, K: int | None = None) -
     tuned = _TUNED.get((kind, T, N, K))
     if tuned is not None:
         return tuned
-    if 4 <= T <= 16 and N is not None and K is not None and N >= 4096 and K % 128 == 0:
-        # a verify window over many rows: tensor cores (measured at T = 4; their cost does not grow with
-        # T, the FMA kernel's does), split-K until the row blocks fill the SMs once
+    if 2 <= T <= 16 and N is not None and K is not None and N >= 4096 and K % 128 == 0:
+        # several tokens over many rows: tensor cores (their cost does not grow with T, the FMA kernel's
+        # does: KDA's projection at T = 2, 3, 4 took 23.3, 23.9, 23.3 µs against 32.7, 55.6, 32.5), split-K
+        # (at most 2, as measured best) until there are two programs per SM
         bn, steps = (128, 1) if kind == "head" else (64, K // 128)
-        split = next(s for s in range(1, steps + 1) if steps % s == 0 and -(-N // bn) * s >= _sm_count())
+        fits = [s for s in range(1, min(2, steps) + 1) if steps % s == 0]
+        split = next((s for s in fits if -(-N // bn) * s >= 2 * _sm_count()), fits[-1])
         return GemvConfig(bn=bn, rs=1, bk=128, warps=4, split=split, mma=True, stages=3)
     cfg = GemvConfig(bn=16, rs=1, bk=256, unroll=1, warps=4) if T == 1 else (
         GemvConfig() if T <= 2 else GemvConfig(rs=1))
