@@ -131,3 +131,31 @@ def test_graph_capture_leaves_written_cache_rows_alone(model_dirs):
     graphed.commit([7])
     graphed.draft(9, 2, SamplingParams(temperature=0.0), None)  # captures the draft graph (catch-up, step)
     assert torch.equal(st.mtp.latent[:n], mtp_rows)
+
+
+def test_verify_windows_on_the_tensor_core_gemv(model_dirs, monkeypatch):
+    """The tiny model's FP8 linears and head through fp8_mma_kernel wherever a window has several tokens
+    (the full model's rule picks it only for ≥ 4096 rows): speculative decoding stays lossless against
+    plain decoding on the fast path, and keeps its accept length."""
+    from sparkchat.engine.kernels import fp8_gemv
+    from sparkchat.engine.session import Engine
+
+    picked = []
+    rule = fp8_gemv.gemv_config
+
+    def recording(*args, **kwargs):
+        cfg = rule(*args, **kwargs)
+        picked.append(cfg.mma)
+        return cfg
+
+    monkeypatch.setattr(fp8_gemv, "MMA_MIN_ROWS", 1)
+    monkeypatch.setattr(fp8_gemv, "gemv_config", recording)
+    engine = Engine.load(model_dirs["agree"], device="cuda", dtype="bfloat16", max_context=512,
+                         quantize_experts=True)
+    prompt = list(range(5, 60))
+    plain, _ = _greedy(engine, prompt, mtp=False, fp8_head=True, mxfp4_kernels=True, cuda_graphs=True)
+    spec, s = _greedy(engine, prompt, mtp=True, fp8_head=True, mxfp4_kernels=True, cuda_graphs=True)
+    assert any(picked) and not all(picked)  # the verify windows on tensor cores, one-token steps not
+    same = next((i for i, (x, y) in enumerate(zip(plain, spec)) if x != y), len(plain))
+    assert same >= 24, (plain, spec)
+    assert s.accept_length_mean >= 1.8

@@ -372,6 +372,9 @@ _TUNED: dict[tuple[str, int, int, int], GemvConfig] = {
 }
 
 
+MMA_MIN_ROWS = 4096  # untuned shapes with several tokens and at least this many rows go to the tensor cores
+
+
 def gemv_config(kind: str, T: int, N: int | None = None, K: int | None = None) -> GemvConfig:
     """Tuned config for ("block" | "head", T, N, K), else a default: one row tile per program beyond
     two tokens (keeps the accumulators in registers), and split-K when N has too few row blocks to
@@ -379,14 +382,15 @@ def gemv_config(kind: str, T: int, N: int | None = None, K: int | None = None) -
     tuned = _TUNED.get((kind, T, N, K))
     if tuned is not None:
         return tuned
-    if 2 <= T <= 16 and N is not None and K is not None and N >= 4096 and K % 128 == 0:
+    if 2 <= T <= 16 and N is not None and K is not None and N >= MMA_MIN_ROWS and K % 64 == 0:
         # several tokens over many rows: tensor cores (their cost does not grow with T, the FMA kernel's
         # does: KDA's projection at T = 2, 3, 4 took 23.3, 23.9, 23.3 µs against 32.7, 55.6, 32.5), split-K
         # (at most 2, as measured best) until there are two programs per SM
-        bn, steps = (128, 1) if kind == "head" else (64, K // 128)
+        bk = 128 if K % 128 == 0 else 64
+        bn, steps = (128, 1) if kind == "head" else (64, K // bk)
         fits = [s for s in range(1, min(2, steps) + 1) if steps % s == 0]
         split = next((s for s in fits if -(-N // bn) * s >= 2 * _sm_count()), fits[-1])
-        return GemvConfig(bn=bn, rs=1, bk=128, warps=4, split=split, mma=True, stages=3)
+        return GemvConfig(bn=bn, rs=1, bk=bk, warps=4, split=split, mma=True, stages=3)
     cfg = GemvConfig(bn=16, rs=1, bk=256, unroll=1, warps=4) if T == 1 else (
         GemvConfig() if T <= 2 else GemvConfig(rs=1))
     if N is None or K is None or kind == "head":
