@@ -223,15 +223,8 @@ def test_fp8_block_gemv_add_norm_gpu(T):
     res = torch.randn(T, 2560, generator=gen).bfloat16().cuda()
     nw = (torch.rand(2560, generator=gen) + 0.5).bfloat16().cuda()
     s_ref, h_ref = add_rms_norm(res, ref.fp8_block_gemv_reference(x, w, si), nw, 1e-6)
-    for _ in range(2):  # the second call finds the arrival counter reset by the first
-        s_got, h_got = fp8_block_gemv_add_norm(x, w, si, res, nw, 1e-6)
-        assert rel_err(s_got, s_ref) < 1e-2 and rel_err(h_got, h_ref) < 1e-2
-    os.environ["SPARKCHAT_FUSED_ADD_NORM"] = "0"
-    try:
-        s_sep, h_sep = fp8_block_gemv_add_norm(x, w, si, res, nw, 1e-6)
-    finally:
-        del os.environ["SPARKCHAT_FUSED_ADD_NORM"]
-    assert torch.equal(s_got, s_sep) and torch.equal(h_got, h_sep)  # same sums in the same order
+    s_got, h_got = fp8_block_gemv_add_norm(x, w, si, res, nw, 1e-6)
+    assert rel_err(s_got, s_ref) < 1e-2 and rel_err(h_got, h_ref) < 1e-2
 
 
 @gpu
@@ -371,15 +364,10 @@ _INTERPRET_SCRIPT = textwrap.dedent("""
     from sparkchat.engine.nn.ops import add_rms_norm
     res = torch.randn(3, 136, generator=gen).bfloat16()
     nw = (torch.rand(136, generator=gen) + 0.5).bfloat16()
-    import os
     for cfg in (None, GemvConfig(bn=8, rs=1, bk=256, split=4), GemvConfig(bn=8, rs=1, bk=128, split=2, row_acc=True)):
         s_ref, h_ref = add_rms_norm(res, ref.fp8_block_gemv_reference(xw, wide, wide_si), nw, 1e-6)
-        got = {}
-        for fused in ("1", "0"):  # the last program's epilogue, and the separate reduce launch
-            os.environ["SPARKCHAT_FUSED_ADD_NORM"] = fused
-            got[fused] = fp8_block_gemv_add_norm(xw, wide, wide_si, res, nw, 1e-6, config=cfg)
-            assert rel_err(got[fused][0], s_ref) < 1e-2 and rel_err(got[fused][1], h_ref) < 1e-2, (cfg, fused)
-        assert all(torch.equal(a, b) for a, b in zip(got["1"], got["0"])), cfg  # same sums, same order
+        s_got, h_got = fp8_block_gemv_add_norm(xw, wide, wide_si, res, nw, 1e-6, config=cfg)
+        assert rel_err(s_got, s_ref) < 1e-2 and rel_err(h_got, h_ref) < 1e-2, cfg
     scale = torch.rand(200, generator=gen) + 0.5
     want = ref.fp8_head_gemv_reference(x, w, scale)
     assert rel_err(fp8_head_gemv(x, w, scale), want) < 1e-5

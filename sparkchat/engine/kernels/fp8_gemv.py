@@ -19,7 +19,6 @@ import torch
 import triton
 import triton.language as tl
 
-from sparkchat.engine.kernels.counters import arrival_counters
 from sparkchat.engine.kernels.pdl import pdl_args, pdl_wait
 
 SCALE_BLOCK: tl.constexpr = tl.constexpr(128)
@@ -113,8 +112,7 @@ def fp8_gemv_kernel(
     BN: tl.constexpr, RS: tl.constexpr, BK: tl.constexpr, UNROLL: tl.constexpr,
     SCALE: tl.constexpr,  # 0: scale_inv [ceil(N/128), ceil(K/128)]; 1: scale [N]; 2: none (plain weights)
     OUT: tl.constexpr,  # 0: bf16 y [T, N]; 1: fp32 y [T, N]; 2: per-program (max, argmax) only;
-                        # 3: fp32 split-K partial sums into y [SPLIT, T, N] (row scale not applied);
-                        # 4: as 3, then the last program to finish adds the residual and normalizes
+                        # 3: fp32 split-K partial sums into y [SPLIT, T, N] (row scale not applied)
     SPLIT: tl.constexpr,  # programs along K (axis 1), each summing K / SPLIT columns
     PREFETCH: tl.constexpr,
     ROW_ACC: tl.constexpr,  # accumulate [BN] per token (reduce over k each step), not [BN, BK]
@@ -122,8 +120,6 @@ def fp8_gemv_kernel(
     XU: tl.constexpr = 0,  # X_SWIGLU: column of the up half in each x row
     X_SWIGLU: tl.constexpr = False,
     lim=float("inf"),  # X_SWIGLU: the clamp (inf: none)
-    res_ptr=None, nw_ptr=None, s_out_ptr=None, h_ptr=None, cnt_ptr=None, eps=0.0,  # OUT == 4 only
-    NBLK: tl.constexpr = 1,  # OUT == 4: N rounded up to a power of two
     PDL: tl.constexpr = False,  # programmatic dependent launch (kernels/pdl.py)
 ):
     """Rows [pid*RS*BN, +RS*BN) of y = x @ w.T for T tokens, over this program's share of K. The
@@ -199,14 +195,6 @@ def fp8_gemv_kernel(
         if OUT == 2:
             tl.store(pmax_ptr + t * NP + pid, bv)
             tl.store(pidx_ptr + t * NP + pid, bi)
-    if OUT == 4:
-        # what splitk_add_norm_kernel would do one launch later, done by the last program to finish
-        # (the arrival-counter pattern of kda_decode and the MoE's stage 2): saves a kernel boundary
-        tl.debug_barrier()
-        if tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu") == NP * tl.num_programs(1) - 1:
-            for t in tl.static_range(T):
-                _add_norm_token(y_ptr, res_ptr, nw_ptr, s_out_ptr, h_ptr, eps, t, N, T, SPLIT, NBLK, True)
-            tl.atomic_xchg(cnt_ptr, 0)  # ready for the next launch
 
 
 @triton.jit
@@ -304,22 +292,19 @@ def splitk_reduce_kernel(part_ptr, s_ptr, y_ptr, TN: tl.constexpr, N: tl.constex
 
 
 @triton.jit
-def _add_norm_token(part_ptr, res_ptr, nw_ptr, res_out_ptr, h_ptr, eps, t, N: tl.constexpr, T: tl.constexpr,
-                    SPLIT: tl.constexpr, BLOCK: tl.constexpr, CG: tl.constexpr):
-    """Token t: y = the SPLIT partials summed in order, rounded to bf16 (the projection's output), then
-    the residual add and RMSNorm that follow it, rounded as ops.add_rms_norm rounds:
-    s = bf16(residual + y); h = w * bf16(s * rsqrt(mean(s²) + eps)). Writes s and h. CG: read the
-    partials from L2 (other programs of this launch wrote them)."""
+def splitk_add_norm_kernel(part_ptr, res_ptr, nw_ptr, res_out_ptr, h_ptr, eps, N: tl.constexpr,
+                           T: tl.constexpr, SPLIT: tl.constexpr, BLOCK: tl.constexpr,
+                           PDL: tl.constexpr = False):
+    """One program per token: y = the SPLIT partials summed in order, rounded to bf16 (the projection's
+    output), then the residual add and RMSNorm that follow it, rounded as ops.add_rms_norm rounds:
+    s = bf16(residual + y); h = w * bf16(s * rsqrt(mean(s²) + eps)). Writes s and h."""
+    pdl_wait(PDL)
+    t = tl.program_id(0)
     i = tl.arange(0, BLOCK)
     m = i < N
-    if CG:
-        y = tl.load(part_ptr + t * N + i, mask=m, other=0.0, cache_modifier=".cg")
-        for p in tl.static_range(1, SPLIT):
-            y += tl.load(part_ptr + (p * T + t) * N + i, mask=m, other=0.0, cache_modifier=".cg")
-    else:
-        y = tl.load(part_ptr + t * N + i, mask=m, other=0.0)
-        for p in tl.static_range(1, SPLIT):
-            y += tl.load(part_ptr + (p * T + t) * N + i, mask=m, other=0.0)
+    y = tl.load(part_ptr + t * N + i, mask=m, other=0.0)
+    for p in tl.static_range(1, SPLIT):
+        y += tl.load(part_ptr + (p * T + t) * N + i, mask=m, other=0.0)
     r = tl.load(res_ptr + t * N + i, mask=m, other=0.0).to(tl.float32)
     s = (r + y.to(tl.bfloat16).to(tl.float32)).to(tl.bfloat16).to(tl.float32)
     inv = tl.rsqrt(tl.sum(s * s, axis=0) / N + eps)
@@ -327,16 +312,6 @@ def _add_norm_token(part_ptr, res_ptr, nw_ptr, res_out_ptr, h_ptr, eps, t, N: tl
     h = (w * (s * inv).to(tl.bfloat16).to(tl.float32)).to(tl.bfloat16)
     tl.store(res_out_ptr + t * N + i, s.to(tl.bfloat16), mask=m)
     tl.store(h_ptr + t * N + i, h, mask=m)
-
-
-@triton.jit
-def splitk_add_norm_kernel(part_ptr, res_ptr, nw_ptr, res_out_ptr, h_ptr, eps, N: tl.constexpr,
-                           T: tl.constexpr, SPLIT: tl.constexpr, BLOCK: tl.constexpr,
-                           PDL: tl.constexpr = False):
-    """One program per token: _add_norm_token (the separate-launch form, SPARKCHAT_FUSED_ADD_NORM=0)."""
-    pdl_wait(PDL)
-    _add_norm_token(part_ptr, res_ptr, nw_ptr, res_out_ptr, h_ptr, eps, tl.program_id(0), N, T, SPLIT, BLOCK,
-                    False)
 
 
 @triton.jit
@@ -517,19 +492,13 @@ def fp8_block_gemv(
     return out
 
 
-def fused_add_norm_enabled() -> bool:
-    """The output projection's last program does the add + RMSNorm unless SPARKCHAT_FUSED_ADD_NORM=0."""
-    return os.environ.get("SPARKCHAT_FUSED_ADD_NORM", "1") != "0"
-
-
 def fp8_block_gemv_add_norm(
     x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor, residual: torch.Tensor, norm_w: torch.Tensor,
     eps: float, *, config: GemvConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A layer's output projection and what follows it: s = residual + x @ w.T (bf16), then RMSNorm(s)
     with weight norm_w -> (s, norm(s)), both bf16 [T, N]: ops.add_rms_norm(residual, fp8_block_gemv(x,
-    w, scale_inv), norm_w, eps) in one launch: the GEMV's last program to finish does the split-K sum,
-    the add and the norm (two launches, the second doing those, with SPARKCHAT_FUSED_ADD_NORM=0)."""
+    w, scale_inv), norm_w, eps) in two launches, the add and the norm done by the split-K reduce."""
     T, N, K = _check_x_w(x, w)
     assert scale_inv.dtype == torch.float32 and scale_inv.is_contiguous()
     assert residual.shape == (T, N) and residual.dtype == torch.bfloat16 and residual.is_contiguous()
@@ -538,14 +507,9 @@ def fp8_block_gemv_add_norm(
     bk = min(cfg.bk, _pow2(K))
     split = _split_for(K, bk, cfg.split)
     part = torch.empty(split, T, N, dtype=torch.float32, device=x.device)
+    _gemv(x, w, scale_inv, part, part, part, 0, 3, cfg, bk, split)
     s_out = torch.empty_like(residual)
     h = torch.empty_like(residual)
-    if fused_add_norm_enabled() and not cfg.mma:
-        _gemv(x, w, scale_inv, part, part, part, 0, 4, cfg, bk, split, res_ptr=residual, nw_ptr=norm_w,
-              s_out_ptr=s_out, h_ptr=h, cnt_ptr=arrival_counters("fp8_add_norm", x.device, 1), eps=float(eps),
-              NBLK=_pow2(N))
-        return s_out, h
-    _gemv(x, w, scale_inv, part, part, part, 0, 3, cfg, bk, split)
     splitk_add_norm_kernel[(T,)](part, residual, norm_w, s_out, h, float(eps), N=N, T=T, SPLIT=split,
                                  BLOCK=_pow2(N), num_warps=8, **pdl_args(x.device))
     return s_out, h
