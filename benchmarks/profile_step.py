@@ -5,6 +5,7 @@
 With --prefill N it profiles the prefill of an N-token prompt instead (eager, as the engine runs it).
 With --timeline it traces replays of the graphed decode step and prints, per kernel, its count and
 time inside the graph, and how much of the step no kernel was running (the gaps PDL cannot hide).
+With --switch NAME it alternates one environment switch on and off, timing the graphed step each time.
 With --ab it times the graphed decode step with programmatic dependent launch (kernels/pdl.py), the
 shared expert's side stream (engine/streams.py) and the MoE's bf16x2 products (kernels/mxfp4_moe.py)
 all on, each off alone, and all off.
@@ -32,6 +33,7 @@ def main() -> None:
     ap.add_argument("--prefill", type=int, default=0, help="profile an N-token prefill instead")
     ap.add_argument("--timeline", action="store_true", help="per-kernel times inside the graphed step")
     ap.add_argument("--tokens", type=int, default=1, help="--timeline: a verify of this many tokens instead")
+    ap.add_argument("--switch", default=None, help="time the graphed step with this env switch 1/0 alternated")
     ap.add_argument("--ab", action="store_true", help="time PDL, the side stream and packed MoE products on and off")
     args = ap.parse_args()
     if args.compile:
@@ -48,6 +50,9 @@ def main() -> None:
         return
     if args.ab:
         compare_overlap(model, state)
+        return
+    if args.switch:
+        alternate(model, state, args.switch)
         return
     if args.timeline:
         graph_timeline(model, state, args.tokens)
@@ -135,6 +140,17 @@ def compare_overlap(model, state: ConversationState) -> None:
         label = "all on" if not off else ("all off" if len(off) > 1 else f"{off[0]}=0")
         print(f"{label:<26} graph decode step: {min(times):.3f} ms (3 runs: {', '.join(f'{t:.3f}' for t in times)})",
               flush=True)
+
+
+def alternate(model, state: ConversationState, name: str, rounds: int = 3) -> None:
+    """The graphed step with one switch on, off, on, off...: a change's effect without machine drift."""
+    import os
+
+    for _ in range(rounds):
+        for value in ("1", "0"):
+            os.environ[name] = value
+            fastpath.install(model, linears=True, experts=True, head=True)
+            print(f"{name}={value}  graph decode step: {graph_step_ms(model, state):.3f} ms", flush=True)
 
 
 def profile_prefill(model, state: ConversationState, n: int) -> None:
