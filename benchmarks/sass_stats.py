@@ -5,7 +5,8 @@
 Triton compiles for any NVIDIA target on a CPU-only machine (its wheel bundles ptxas and cuobjdump),
 so this shows what a kernel change does to the SASS before any GPU time is spent: for each kernel,
 the instructions in its k loop per weight a thread streams (MoE stages, fp32 FMA products against
-bf16x2), and the router's whole-kernel count, shuffles and shared-memory traffic. Pointer arguments
+bf16x2; the verify's tensor-core GEMV, with the MMA instruction its PTX uses), and the router's
+whole-kernel count, shuffles and shared-memory traffic. Pointer arguments
 are marked 16-byte aligned, as a real launch specializes them. --arch 121 compiles for the DGX Spark
 (GB10): a portability check of the default path.
 """
@@ -30,16 +31,25 @@ CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuob
 H, INTER, K, E = 2560, 768, 8, 512
 
 
+def compile_kernel(fn, signature: dict, constexprs: dict, warps: int, arch: int):
+    """fn compiled for sm_<arch> (its .asm holds "ptx" and "cubin"), pointers marked 16-byte aligned."""
+    sig = {**signature, **{k: "constexpr" for k in constexprs}}
+    pointers = [i for i, v in enumerate(signature.values()) if v.startswith("*")]
+    attrs = {(i,): [["tt.divisibility", 16]] for i in pointers}
+    return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs),
+                          target=GPUTarget("cuda", arch, 32), options={"num_warps": warps})
+
+
 def compile_sass(fn, signature: dict, constexprs: dict, warps: int, arch: int) -> list[str] | None:
     """SASS instruction texts (predicates kept) of fn compiled for sm_<arch>; None when the bundled
     cuobjdump cannot disassemble that architecture (CUDA 12.8's cannot read sm_121a): compiled, not
     counted."""
-    sig = {**signature, **{k: "constexpr" for k in constexprs}}
-    pointers = [i for i, v in enumerate(signature.values()) if v.startswith("*")]
-    attrs = {(i,): [["tt.divisibility", 16]] for i in pointers}
-    kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs),
-                            target=GPUTarget("cuda", arch, 32), options={"num_warps": warps})
-    path = Path("/tmp") / f"sparkchat_sass_{fn.__name__}.cubin"
+    return disassemble(compile_kernel(fn, signature, constexprs, warps, arch), fn.__name__)
+
+
+def disassemble(kernel, name: str) -> list[str] | None:
+    """compile_sass's answer for an already compiled kernel."""
+    path = Path("/tmp") / f"sparkchat_sass_{name}.cubin"
     path.write_bytes(kernel.asm["cubin"])
     done = subprocess.run([str(CUOBJDUMP), "-sass", str(path)], capture_output=True, text=True)
     if done.returncode != 0:
@@ -111,6 +121,19 @@ def router_sass(arch: int) -> list[str] | None:
     return compile_sass(r.route_kernel, sig, cx, r.ROUTE_WARPS, arch)
 
 
+def mma_gemv(arch: int) -> tuple[object, float]:
+    """The tensor-core FP8 GEMV as a 4-token verify launches it for KDA's fused projection: (the
+    compiled kernel, weights a thread streams per k step)."""
+    from sparkchat.engine.kernels import fp8_gemv as g
+
+    cfg = g.gemv_config("block", 4, 20480, H)
+    sig = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "y_ptr": "*bf16", "pmax_ptr": "*fp32",
+           "pidx_ptr": "*i32", "lim": "fp32"}
+    cx = dict(T=4, N=20480, K=H, BM=cfg.bn, BK=cfg.bk, SCALE=0, OUT=0, SPLIT=cfg.split, STAGES=cfg.stages,
+              XS=0, XU=0, X_SWIGLU=False, PDL=True)
+    return compile_kernel(g.fp8_mma_kernel, sig, cx, cfg.warps, arch), cfg.bn * cfg.bk / (32 * cfg.warps)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--arch", type=int, action="append", help="SM version, e.g. 90 (H200) or 121 (GB10)")
@@ -123,6 +146,11 @@ def main() -> None:
                     body, weights = moe_loop(T, stage, packed, arch)
                     report(f"mxfp4_moe T={T} stage {stage} {'bf16x2' if packed else 'fp32 FMA'} (k loop)", body, weights)
         report("route_kernel (whole kernel, one warp)", router_sass(arch))
+        kernel, weights = mma_gemv(arch)
+        ptx = kernel.asm["ptx"]
+        mma = "wgmma" if "wgmma" in ptx else "mma.sync" if "mma.sync" in ptx else "no MMA"
+        sass = disassemble(kernel, "fp8_mma_kernel")
+        report(f"fp8_mma_kernel T=4 KDA ({mma}, k loop)", None if sass is None else loop_body(sass), weights)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,9 @@ per-lane accumulators reduced once at the end) and has three front ends:
   fp8_head_gemv    one fp32 scale per row (the FP8 lm_head)                  -> fp32 logits [T, V]
   fp8_head_argmax  same GEMV, greedy argmax fused: each program writes only its (max, index) per
                    token, a second one-program-per-token kernel reduces them -> int64 [T]
+A second kernel, `fp8_mma_kernel`, serves the same front ends on the tensor cores (GemvConfig.mma):
+chosen for verify windows over many rows, where the FMA kernel pays T FMAs per weight and the MMA one
+pass for up to 16 tokens.
 """
 
 from __future__ import annotations
