@@ -442,3 +442,21 @@ def test_mma_gemv_under_triton_interpreter():
     proc = subprocess.run([sys.executable, "-c", _MMA_SCRIPT], cwd=root, env=env,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "interpreter ok" in proc.stdout, proc.stderr[-3000:]
+
+
+def test_gemv_configs_are_the_measured_ones():
+    """The verify-window configs the engine picks are the ones measured fastest on the H200
+    (docs/benchmarks.md, session 6); one-token steps and small-N projections stay on FMAs."""
+    pytest.importorskip("triton")
+    from sparkchat.engine.kernels.fp8_gemv import gemv_config
+    picks = {shape: gemv_config(*shape) for shape in [("block", 4, 20480, 2560), ("block", 4, 6912, 2560),
+                                                      ("block", 4, 12288, 2560), ("head", 4, 157184, 2560)]}
+    got = {shape: (c.mma, c.bn, c.bk, c.warps, c.stages, c.split) for shape, c in picks.items()}
+    assert got == {("block", 4, 20480, 2560): (True, 64, 128, 4, 3, 1),
+                   ("block", 4, 6912, 2560): (True, 64, 128, 4, 3, 2),
+                   ("block", 4, 12288, 2560): (True, 64, 128, 4, 3, 2),
+                   ("head", 4, 157184, 2560): (True, 128, 128, 4, 3, 1)}
+    assert gemv_config("block", 4, 1536, 2560).mma
+    for shape in [("block", 1, 20480, 2560), ("head", 1, 157184, 2560), ("block", 4, 2560, 4096),
+                  ("block", 4, 2560, 768)]:
+        assert not gemv_config(*shape).mma, shape

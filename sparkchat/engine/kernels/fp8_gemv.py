@@ -352,16 +352,15 @@ class GemvConfig:
 
 # Best measured on the H200 at the Ling-3.0-flash shapes, by (kind, T, N, K); docs/benchmarks.md has
 # the sweep. Wide k steps over few rows won at one token: more bytes in flight per program, fewer idle
-# tails. At four tokens the tensor-core kernel wins where N is large (KDA, MLA, shared gate|up, head);
-# the small-N output and down projections stay on FMAs.
+# tails. At four tokens the tensor-core kernel wins where N is large — KDA, MLA, dense gate|up and the
+# head get it from gemv_config's rule, the shared gate|up from here — and the small-N output and down
+# projections stay on FMAs.
 _G = GemvConfig
 _TUNED: dict[tuple[str, int, int, int], GemvConfig] = {
     ("head", 1, 157184, 2560): _G(bn=8, rs=1, bk=512, unroll=1, warps=2),
-    ("head", 4, 157184, 2560): _G(bn=128, rs=1, bk=128, warps=4, mma=True, stages=3),
     ("plain", 1, 512, 2560): _G(bn=16, rs=1, bk=128, unroll=2, warps=4, split=10),  # router logits
     ("plain", 4, 512, 2560): _G(bn=8, rs=1, bk=512, unroll=2, warps=2, split=5),
     ("block", 1, 20480, 2560): _G(bn=8, rs=1, bk=512, unroll=1, warps=2),  # KDA q|k|v|f|g
-    ("block", 4, 20480, 2560): _G(bn=64, rs=1, bk=128, warps=4, mma=True, stages=3),
     ("block", 1, 2560, 4096): _G(bn=32, rs=1, bk=256, unroll=1, warps=8, split=4),  # o_proj, MLA dense
     ("block", 4, 2560, 4096): _G(bn=32, rs=1, bk=128, unroll=1, warps=4, split=8, row_acc=True),
     ("block", 1, 1536, 2560): _G(bn=8, rs=1, bk=512, unroll=1, warps=2),  # shared expert gate|up
@@ -369,7 +368,6 @@ _TUNED: dict[tuple[str, int, int, int], GemvConfig] = {
     ("block", 1, 2560, 768): _G(bn=8, rs=1, bk=512, unroll=1, warps=2),  # shared expert down
     ("block", 4, 2560, 768): _G(bn=8, rs=1, bk=512, unroll=1, warps=2, row_acc=True),
     ("block", 1, 6912, 2560): _G(bn=16, rs=1, bk=512, unroll=1, warps=4),  # MLA q|kv_a|g
-    ("block", 4, 6912, 2560): _G(bn=64, rs=1, bk=128, warps=4, split=2, mma=True, stages=3),
     ("block", 1, 12288, 2560): _G(bn=32, rs=1, bk=256, unroll=1, warps=8),  # dense MLP gate|up
     ("block", 1, 2560, 6144): _G(bn=32, rs=1, bk=256, unroll=1, warps=8, split=4),  # dense MLP down
 }
@@ -379,9 +377,10 @@ MMA_MIN_ROWS = 4096  # untuned shapes with several tokens and at least this many
 
 
 def gemv_config(kind: str, T: int, N: int | None = None, K: int | None = None) -> GemvConfig:
-    """Tuned config for ("block" | "head", T, N, K), else a default: one row tile per program beyond
-    two tokens (keeps the accumulators in registers), and split-K when N has too few row blocks to
-    give every SM two programs."""
+    """Tuned config for ("block" | "head", T, N, K), else: the tensor-core kernel for 2-16 tokens over at
+    least MMA_MIN_ROWS rows; otherwise the FMA kernel with one row tile per program beyond two tokens
+    (keeps the accumulators in registers), and split-K when N has too few row blocks to give every SM
+    two programs."""
     tuned = _TUNED.get((kind, T, N, K))
     if tuned is not None:
         return tuned
