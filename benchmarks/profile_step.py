@@ -1,6 +1,7 @@
 """Profile one decode step at Ling-3.0-flash-fp4's full shapes (synthetic weights): where the time goes.
 
-    python benchmarks/profile_step.py [--layers N] [--no-compile] [--prefill N] [--ab]
+    python benchmarks/profile_step.py [--layers N] [--no-compile] [--prefill N | --timeline [--tokens T]
+                                      | --switch NAME | --ab]
 
 With --prefill N it profiles the prefill of an N-token prompt instead (eager, as the engine runs it).
 With --timeline it traces replays of the graphed decode step and prints, per kernel, its count and

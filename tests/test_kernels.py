@@ -377,13 +377,18 @@ _INTERPRET_SCRIPT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
-def test_kernels_under_triton_interpreter():
+def _run_interpreted(script: str) -> None:
+    """Run a test script in a fresh process under Triton's CPU interpreter; it prints "interpreter ok"."""
     env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.run([sys.executable, "-c", _INTERPRET_SCRIPT], cwd=root, env=env,
+    proc = subprocess.run([sys.executable, "-c", script], cwd=root, env=env,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "interpreter ok" in proc.stdout, proc.stderr[-3000:]
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+def test_kernels_under_triton_interpreter():
+    _run_interpreted(_INTERPRET_SCRIPT)
 
 
 _MMA_SCRIPT = textwrap.dedent("""
@@ -437,11 +442,7 @@ def test_mma_gemv_under_triton_interpreter():
     """fp8_mma_kernel (the tensor-core GEMV for verify windows) against the torch twins: block and row
     scales, split-K, masked row tiles, the SwiGLU and add+norm front ends, and activations spanning far
     more than fp16's range."""
-    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.run([sys.executable, "-c", _MMA_SCRIPT], cwd=root, env=env,
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0 and "interpreter ok" in proc.stdout, proc.stderr[-3000:]
+    _run_interpreted(_MMA_SCRIPT)
 
 
 def test_gemv_configs_are_the_measured_ones(monkeypatch):
