@@ -243,10 +243,11 @@ def test_mxfp4_moe_fused_shared_add_rounds_like_torch():
 @gpu
 @pytest.mark.parametrize("N,K", [(256, 256), (200, 144), (576, 512), (2560, 4096), (20480, 2560)])
 @pytest.mark.parametrize("T", [1, 2, 4, 5])
-@pytest.mark.parametrize("prefetch,split,bk,row_acc", [(False, 1, None, False), (True, 1, None, False),
-                                                        (False, 4, 256, False), (True, 2, 128, True),
-                                                        (False, 1, 512, True)])
-def test_fp8_block_gemv_gpu(N, K, T, prefetch, split, bk, row_acc):
+@pytest.mark.parametrize("prefetch,split,bk,row_acc,kacc", [(False, 1, None, False, 0), (True, 1, None, False, 0),
+                                                             (False, 4, 256, False, 0), (True, 2, 128, True, 0),
+                                                             (False, 1, 512, True, 0), (False, 1, 512, False, 32),
+                                                             (True, 4, 256, False, 16)])
+def test_fp8_block_gemv_gpu(N, K, T, prefetch, split, bk, row_acc, kacc):
     from sparkchat.engine.kernels.fp8_gemv import fp8_block_gemv, gemv_config
     gen = torch.Generator().manual_seed(N * 7 + K + T)
     w, si = make_fp8(N, K, "cuda", gen)
@@ -254,7 +255,7 @@ def test_fp8_block_gemv_gpu(N, K, T, prefetch, split, bk, row_acc):
     out = torch.full((T, N), float("nan"), dtype=torch.bfloat16, device="cuda")
     cfg = gemv_config("block", T)
     fp8_block_gemv(x, w, si, out=out, config=type(cfg)(**{**cfg.__dict__, "prefetch": prefetch, "split": split,
-                                                          "bk": bk or cfg.bk, "row_acc": row_acc}))
+                                                          "bk": bk or cfg.bk, "row_acc": row_acc, "kacc": kacc}))
     assert rel_err(out, ref.fp8_block_gemv_reference(x, w, si)) < 1e-2
 
 
@@ -347,7 +348,7 @@ _INTERPRET_SCRIPT = textwrap.dedent("""
     xw = torch.randn(3, 1024, generator=gen).bfloat16()
     for cfg in (GemvConfig(bn=8, rs=1, bk=256, split=2), GemvConfig(bn=16, rs=2, bk=128, split=4, prefetch=True),
                 GemvConfig(bn=8, rs=2, bk=512, split=1), GemvConfig(bn=8, rs=1, bk=128, split=2, row_acc=True),
-                GemvConfig(bn=16, rs=1, bk=64, row_acc=True, prefetch=True)):
+                GemvConfig(bn=16, rs=1, bk=64, row_acc=True, prefetch=True), GemvConfig(bn=8, rs=1, bk=256, kacc=16, split=2)):
         got = fp8_block_gemv(xw, wide, wide_si, config=cfg)
         assert rel_err(got, ref.fp8_block_gemv_reference(xw, wide, wide_si)) < 1e-2, cfg
     # the down projection reading its gate|up input and computing the clamped SwiGLU on the way in

@@ -91,9 +91,12 @@ def _gemv_loads(x_ptr, w_ptr, s_ptr, r0, k0, sub, kk, T: tl.constexpr, N: tl.con
 
 
 @triton.jit
-def _gemv_step(accs, ws, xs, T: tl.constexpr, RS: tl.constexpr, ROW_ACC: tl.constexpr):
+def _gemv_step(accs, ws, xs, T: tl.constexpr, RS: tl.constexpr, ROW_ACC: tl.constexpr, KACC: tl.constexpr = 0):
     """accs[t*RS + r] += w_r * x_t for one k step: elementwise into [BN, BK] accumulators, or with
-    ROW_ACC reduced over k right away into [BN] ones (several tokens: [BN, BK] per token would spill)."""
+    ROW_ACC reduced over k right away into [BN] ones (several tokens: [BN, BK] per token would spill),
+    or with KACC > 0 into [BN, KACC] ones, each the sum of BK / KACC neighbouring columns (a thread's
+    own vector of loaded weights: no data leaves the thread, and the accumulators take BK / KACC times
+    fewer registers)."""
     wf = ()
     for r in tl.static_range(RS):
         wf = wf + (ws[r].to(tl.float32),)
@@ -103,6 +106,11 @@ def _gemv_step(accs, ws, xs, T: tl.constexpr, RS: tl.constexpr, ROW_ACC: tl.cons
         for r in tl.static_range(RS):
             if ROW_ACC:
                 new = new + (accs[t * RS + r] + tl.sum(wf[r] * xv, axis=1),)
+            elif KACC > 0:
+                p = wf[r] * xv
+                BN: tl.constexpr = p.shape[0]
+                BK: tl.constexpr = p.shape[1]
+                new = new + (accs[t * RS + r] + tl.sum(tl.reshape(p, [BN, KACC, BK // KACC]), axis=2),)
             else:
                 new = new + (accs[t * RS + r] + wf[r] * xv,)
     return new
@@ -124,6 +132,7 @@ def fp8_gemv_kernel(
     X_SWIGLU: tl.constexpr = False,
     lim=float("inf"),  # X_SWIGLU: the clamp (inf: none)
     PDL: tl.constexpr = False,  # programmatic dependent launch (kernels/pdl.py)
+    KACC: tl.constexpr = 0,  # > 0: [BN, KACC] accumulators (_gemv_step)
 ):
     """Rows [pid*RS*BN, +RS*BN) of y = x @ w.T for T tokens, over this program's share of K. The
     program holds RS row tiles of [BN, BK] fp8 per k step; each token's activation chunk is loaded
@@ -144,6 +153,8 @@ def fp8_gemv_kernel(
     for i in tl.static_range(T * RS):
         if ROW_ACC:
             accs = accs + (tl.zeros([BN], dtype=tl.float32),)
+        elif KACC > 0:
+            accs = accs + (tl.zeros([BN, KACC], dtype=tl.float32),)
         else:
             accs = accs + (tl.zeros([BN, BK], dtype=tl.float32),)
     # The first k step's weights are loaded before pdl_wait: they overlap the previous kernel's tail.
@@ -157,16 +168,16 @@ def fp8_gemv_kernel(
             kn = k_lo + tl.minimum(kb + BK, (KS - 1) // BK * BK)
             ws_n, xs_n = _gemv_loads(x_ptr, w_ptr, s_ptr, r0, kn, sub, kk, T, N, K, KB, BN, RS, EVEN_N,
                                      EVEN_K, SCALE, XSTRIDE, XU, X_SWIGLU, lim)
-            accs = _gemv_step(accs, ws, xs, T, RS, ROW_ACC)
+            accs = _gemv_step(accs, ws, xs, T, RS, ROW_ACC, KACC)
             ws = ws_n
             xs = xs_n
     else:
-        accs = _gemv_step(accs, ws, xs, T, RS, ROW_ACC)
+        accs = _gemv_step(accs, ws, xs, T, RS, ROW_ACC, KACC)
         for kb in tl.range(BK, KS, BK, loop_unroll_factor=UNROLL):
             k0 = k_lo + kb
             ws, xs = _gemv_loads(x_ptr, w_ptr, s_ptr, r0, k0, sub, kk, T, N, K, KB, BN, RS, EVEN_N, EVEN_K,
                                  SCALE, XSTRIDE, XU, X_SWIGLU, lim)
-            accs = _gemv_step(accs, ws, xs, T, RS, ROW_ACC)
+            accs = _gemv_step(accs, ws, xs, T, RS, ROW_ACC, KACC)
     best_v = ()
     best_i = ()
     for t in tl.static_range(T):
@@ -348,6 +359,7 @@ class GemvConfig:
     row_acc: bool = False  # reduce over k every step into per-row accumulators (for several tokens)
     mma: bool = False  # fp8_mma_kernel: bn rows x 16 tokens tensor-core tiles (bk ≤ 128 with block scales)
     stages: int = 3  # mma: k steps of weights in flight
+    kacc: int = 0  # FMA kernel, > 0: [bn, kacc] accumulators, each thread summing its own bk/kacc columns first
 
 
 # Best measured on the H200 at the Ling-3.0-flash shapes, by (kind, T, N, K); docs/benchmarks.md has
@@ -460,7 +472,12 @@ def _gemv(x, w, s, y, pmax, pidx, scale_kind: int, out_kind: int, cfg: GemvConfi
     assert 128 % (cfg.bn * cfg.rs) == 0, "bn * rs must divide the 128-row scale block"
     fp8_gemv_kernel[grid](x, w, s, y, pmax, pidx, T=T, N=N, K=K, BN=cfg.bn, RS=cfg.rs, BK=bk, UNROLL=cfg.unroll,
                           SCALE=scale_kind, OUT=out_kind, SPLIT=split, PREFETCH=cfg.prefetch, ROW_ACC=cfg.row_acc,
-                          num_warps=cfg.warps, **extra, **pdl_args(x.device))
+                          KACC=_kacc(cfg, bk), num_warps=cfg.warps, **extra, **pdl_args(x.device))
+
+
+def _kacc(cfg: GemvConfig, bk: int) -> int:
+    """The accumulator width for a k step of bk columns (0: [bn, bk], as without kacc)."""
+    return cfg.kacc if 0 < cfg.kacc < bk and bk % cfg.kacc == 0 else 0
 
 
 def _launch(x, w, s, y, pmax, pidx, scale_kind: int, out_kind: int, cfg: GemvConfig, **extra) -> None:
@@ -565,7 +582,7 @@ def plain_gemv_partials(x: torch.Tensor, w: torch.Tensor, config: GemvConfig | N
     part = torch.empty(split, T, N, dtype=torch.float32, device=x.device)
     fp8_gemv_kernel[(triton.cdiv(N, cfg.bn * cfg.rs), split)](
         x, w, w, part, part, part, T=T, N=N, K=K, BN=cfg.bn, RS=cfg.rs, BK=bk, UNROLL=cfg.unroll, SCALE=2,
-        SPLIT=split, PREFETCH=cfg.prefetch, ROW_ACC=cfg.row_acc, OUT=3, num_warps=cfg.warps,
+        SPLIT=split, PREFETCH=cfg.prefetch, ROW_ACC=cfg.row_acc, OUT=3, KACC=_kacc(cfg, bk), num_warps=cfg.warps,
         **pdl_args(x.device))
     return part
 
