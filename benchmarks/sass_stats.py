@@ -134,6 +134,31 @@ def mma_gemv(arch: int) -> tuple[object, float]:
     return compile_kernel(g.fp8_mma_kernel, sig, cx, cfg.warps, arch), cfg.bn * cfg.bk / (32 * cfg.warps)
 
 
+def fma_gemv(arch: int, T: int, N: int, K: int, cfg=None) -> tuple[object, float]:
+    """The FMA GEMV (fp8_gemv_kernel, block scales, bf16 out) for T tokens at N x K with cfg (default:
+    what the engine picks): (the compiled kernel, weights a thread streams per k step)."""
+    from sparkchat.engine.kernels import fp8_gemv as g
+
+    cfg = cfg or g.gemv_config("block", T, N, K)
+    bk = min(cfg.bk, g._pow2(K))
+    split = g._split_for(K, bk, cfg.split)
+    sig = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "y_ptr": "*bf16", "pmax_ptr": "*fp32",
+           "pidx_ptr": "*i32", "lim": "fp32"}
+    cx = dict(T=T, N=N, K=K, BN=cfg.bn, RS=cfg.rs, BK=bk, UNROLL=cfg.unroll, SCALE=0, OUT=0 if split == 1 else 3,
+              SPLIT=split, PREFETCH=cfg.prefetch, ROW_ACC=cfg.row_acc, XS=0, XU=0, X_SWIGLU=False, PDL=True,
+              KACC=g._kacc(cfg, bk))
+    return compile_kernel(g.fp8_gemv_kernel, sig, cx, cfg.warps, arch), cfg.bn * cfg.rs * bk / (32 * cfg.warps)
+
+
+def registers(kernel, name: str) -> int | None:
+    """Registers per thread of a compiled kernel (cuobjdump's resource usage; None if unreadable)."""
+    path = Path("/tmp") / f"sparkchat_regs_{name}.cubin"
+    path.write_bytes(kernel.asm["cubin"])
+    done = subprocess.run([str(CUOBJDUMP), "--dump-resource-usage", str(path)], capture_output=True, text=True)
+    m = re.search(r"REG:(\d+)", done.stdout)
+    return int(m.group(1)) if m else None
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--arch", type=int, action="append", help="SM version, e.g. 90 (H200) or 121 (GB10)")
@@ -151,6 +176,10 @@ def main() -> None:
         mma = "wgmma" if "wgmma" in ptx else "mma.sync" if "mma.sync" in ptx else "no MMA"
         sass = disassemble(kernel, "fp8_mma_kernel")
         report(f"fp8_mma_kernel T=4 KDA ({mma}, k loop)", None if sass is None else loop_body(sass), weights)
+        kernel, weights = fma_gemv(arch, 1, 20480, H)
+        sass = disassemble(kernel, "fp8_gemv_kernel")
+        report(f"fp8_gemv_kernel T=1 KDA ({registers(kernel, 'fp8_gemv')} registers, k loop)",
+               None if sass is None else loop_body(sass), weights)
 
 
 if __name__ == "__main__":

@@ -48,3 +48,22 @@ def test_verify_gemv_uses_each_targets_tensor_cores():
     assert all("cvt.rn.f16x2.e4m3x2" in k.asm["ptx"] for k in (hopper, spark))
     body = s.loop_body(s.disassemble(hopper, "fp8_mma_kernel"))
     assert len(body) / weights < 5, len(body) / weights
+
+
+def test_narrow_gemv_accumulators_halve_the_registers():
+    """[bn, bk/16] accumulators (GemvConfig.kacc: each thread first sums its own 16 products) let the
+    one-token KDA projection's 16 x 512 tile fit in 96 registers a thread on sm_90 (250 with [bn, bk]
+    ones; the 8 x 512 tile used before took 124), and compile for several tokens and row tiles and for
+    the Spark's sm_121a."""
+    from dataclasses import replace
+
+    from sparkchat.engine.kernels.fp8_gemv import gemv_config
+
+    s = _tools()
+    tuned_cfg = gemv_config("block", 1, 20480, 2560)
+    assert tuned_cfg.kacc == 32
+    tuned, _ = s.fma_gemv(90, 1, 20480, 2560)
+    wide, _ = s.fma_gemv(90, 1, 20480, 2560, replace(tuned_cfg, kacc=0))
+    assert s.registers(tuned, "tuned") <= 100 and s.registers(wide, "wide") >= 200
+    for arch in (90, 121):
+        s.fma_gemv(arch, 4, 2560, 4096, replace(tuned_cfg, bn=8, rs=2, bk=256, split=4, kacc=16))

@@ -97,6 +97,8 @@ def _gemv_step(accs, ws, xs, T: tl.constexpr, RS: tl.constexpr, ROW_ACC: tl.cons
     or with KACC > 0 into [BN, KACC] ones, each the sum of BK / KACC neighbouring columns (a thread's
     own vector of loaded weights: no data leaves the thread, and the accumulators take BK / KACC times
     fewer registers)."""
+    BN: tl.constexpr = ws[0].shape[0]
+    BK: tl.constexpr = ws[0].shape[1]
     wf = ()
     for r in tl.static_range(RS):
         wf = wf + (ws[r].to(tl.float32),)
@@ -107,10 +109,8 @@ def _gemv_step(accs, ws, xs, T: tl.constexpr, RS: tl.constexpr, ROW_ACC: tl.cons
             if ROW_ACC:
                 new = new + (accs[t * RS + r] + tl.sum(wf[r] * xv, axis=1),)
             elif KACC > 0:
-                p = wf[r] * xv
-                BN: tl.constexpr = p.shape[0]
-                BK: tl.constexpr = p.shape[1]
-                new = new + (accs[t * RS + r] + tl.sum(tl.reshape(p, [BN, KACC, BK // KACC]), axis=2),)
+                p = tl.reshape(wf[r] * xv, [BN, KACC, BK // KACC])
+                new = new + (accs[t * RS + r] + tl.sum(p, axis=2),)
             else:
                 new = new + (accs[t * RS + r] + wf[r] * xv,)
     return new
@@ -364,24 +364,24 @@ class GemvConfig:
 
 # Best measured on the H200 at the Ling-3.0-flash shapes, by (kind, T, N, K); docs/benchmarks.md has
 # the sweep. Wide k steps over few rows won at one token: more bytes in flight per program, fewer idle
-# tails. At four tokens the tensor-core kernel wins where N is large — KDA, MLA, dense gate|up and the
+# tails; [bn, bk/16] accumulators (kacc) halve the registers, so twice the warps hide the latency. At four tokens the tensor-core kernel wins where N is large — KDA, MLA, dense gate|up and the
 # head get it from gemv_config's rule, the shared gate|up from here — and the small-N output and down
 # projections stay on FMAs.
 _G = GemvConfig
 _TUNED: dict[tuple[str, int, int, int], GemvConfig] = {
-    ("head", 1, 157184, 2560): _G(bn=8, rs=1, bk=512, unroll=1, warps=2),
+    ("head", 1, 157184, 2560): _G(bn=8, rs=1, bk=512, unroll=1, warps=2, kacc=32),
     ("plain", 1, 512, 2560): _G(bn=16, rs=1, bk=128, unroll=2, warps=4, split=10),  # router logits
     ("plain", 4, 512, 2560): _G(bn=8, rs=1, bk=512, unroll=2, warps=2, split=5),
-    ("block", 1, 20480, 2560): _G(bn=8, rs=1, bk=512, unroll=1, warps=2),  # KDA q|k|v|f|g
-    ("block", 1, 2560, 4096): _G(bn=32, rs=1, bk=256, unroll=1, warps=8, split=4),  # o_proj, MLA dense
+    ("block", 1, 20480, 2560): _G(bn=16, rs=1, bk=512, unroll=1, warps=2, kacc=32),  # KDA q|k|v|f|g
+    ("block", 1, 2560, 4096): _G(bn=8, rs=1, bk=512, unroll=2, warps=2, split=4, kacc=32),  # o_proj, MLA dense
     ("block", 4, 2560, 4096): _G(bn=32, rs=1, bk=128, unroll=1, warps=4, split=8, row_acc=True),
-    ("block", 1, 1536, 2560): _G(bn=8, rs=1, bk=512, unroll=1, warps=2),  # shared expert gate|up
+    ("block", 1, 1536, 2560): _G(bn=8, rs=1, bk=512, unroll=2, warps=2, kacc=32),  # shared expert gate|up
     ("block", 4, 1536, 2560): _G(bn=64, rs=1, bk=128, warps=4, split=5, mma=True, stages=4),
-    ("block", 1, 2560, 768): _G(bn=8, rs=1, bk=512, unroll=1, warps=2),  # shared expert down
+    ("block", 1, 2560, 768): _G(bn=8, rs=1, bk=1024, unroll=1, warps=4),  # shared expert down
     ("block", 4, 2560, 768): _G(bn=8, rs=1, bk=512, unroll=1, warps=2, row_acc=True),
-    ("block", 1, 6912, 2560): _G(bn=16, rs=1, bk=512, unroll=1, warps=4),  # MLA q|kv_a|g
-    ("block", 1, 12288, 2560): _G(bn=32, rs=1, bk=256, unroll=1, warps=8),  # dense MLP gate|up
-    ("block", 1, 2560, 6144): _G(bn=32, rs=1, bk=256, unroll=1, warps=8, split=4),  # dense MLP down
+    ("block", 1, 6912, 2560): _G(bn=8, rs=1, bk=512, unroll=2, warps=2, kacc=32),  # MLA q|kv_a|g
+    ("block", 1, 12288, 2560): _G(bn=16, rs=1, bk=512, unroll=1, warps=4, kacc=32),  # dense MLP gate|up
+    ("block", 1, 2560, 6144): _G(bn=8, rs=1, bk=512, unroll=2, warps=2, split=4, kacc=32),  # dense MLP down
 }
 
 
