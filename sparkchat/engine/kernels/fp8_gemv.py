@@ -390,9 +390,9 @@ MMA_MIN_ROWS = 4096  # untuned shapes with several tokens and at least this many
 
 def gemv_config(kind: str, T: int, N: int | None = None, K: int | None = None) -> GemvConfig:
     """Tuned config for ("block" | "head", T, N, K), else: the tensor-core kernel for 2-16 tokens over at
-    least MMA_MIN_ROWS rows; otherwise the FMA kernel with one row tile per program beyond two tokens
-    (keeps the accumulators in registers), and split-K when N has too few row blocks to give every SM
-    two programs."""
+    least MMA_MIN_ROWS rows; otherwise the FMA kernel ([bn, bk/16] accumulators at one token, as most
+    tuned one-token shape has; one row tile per program beyond two tokens, which keeps the accumulators
+    in registers), and split-K when N has too few row blocks to give every SM two programs."""
     tuned = _TUNED.get((kind, T, N, K))
     if tuned is not None:
         return tuned
@@ -405,7 +405,7 @@ def gemv_config(kind: str, T: int, N: int | None = None, K: int | None = None) -
         fits = [s for s in range(1, min(2, steps) + 1) if steps % s == 0]
         split = next((s for s in fits if -(-N // bn) * s >= 2 * _sm_count()), fits[-1])
         return GemvConfig(bn=bn, rs=1, bk=bk, warps=4, split=split, mma=True, stages=3)
-    cfg = GemvConfig(bn=16, rs=1, bk=256, unroll=1, warps=4) if T == 1 else (
+    cfg = GemvConfig(bn=16, rs=1, bk=256, unroll=1, warps=4, kacc=16) if T == 1 else (
         GemvConfig() if T <= 2 else GemvConfig(rs=1))
     if N is None or K is None or kind == "head":
         return cfg
