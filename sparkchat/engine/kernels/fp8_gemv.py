@@ -391,7 +391,7 @@ MMA_MIN_ROWS = 4096  # untuned shapes with several tokens and at least this many
 def gemv_config(kind: str, T: int, N: int | None = None, K: int | None = None) -> GemvConfig:
     """Tuned config for ("block" | "head", T, N, K), else: the tensor-core kernel for 2-16 tokens over at
     least MMA_MIN_ROWS rows; otherwise the FMA kernel ([bn, bk/16] accumulators at one token, as most
-    tuned one-token shape has; one row tile per program beyond two tokens, which keeps the accumulators
+    tuned one-token shapes have; one row tile per program beyond two tokens, which keeps the accumulators
     in registers), and split-K when N has too few row blocks to give every SM two programs."""
     tuned = _TUNED.get((kind, T, N, K))
     if tuned is not None:
