@@ -305,16 +305,16 @@ BLOCK_SHAPES = [
 
 
 def gemv_candidates(kind: str, T: int, N: int, K: int, sweep: bool):
-    from sparkchat.engine.kernels.fp8_gemv import _TUNED, GemvConfig, gemv_config
+    from sparkchat.engine.kernels.fp8_gemv import _TUNED, GemvConfig, _pow2, gemv_config
 
     base = [gemv_config(kind, T, N, K)]
     if not sweep:
         return base
     if (kind, T, N, K) in _TUNED and T == 1:  # one-token shapes: swept before (docs); now narrower accumulators
         b = base[0]
-        bk = min(b.bk, K)
+        bk = min(b.bk, _pow2(K))  # the k step the kernel takes
         out = base + [replace(b, kacc=bk // 16), replace(b, kacc=bk // 8)]
-        out += [replace(c, kacc=min(c.bk, K) // 16, split=b.split) for c in (
+        out += [replace(c, kacc=min(c.bk, _pow2(K)) // 16, split=b.split) for c in (
             GemvConfig(bn=16, rs=1, bk=512, unroll=1, warps=2), GemvConfig(bn=16, rs=1, bk=512, unroll=1, warps=4),
             GemvConfig(bn=8, rs=1, bk=512, unroll=2, warps=2), GemvConfig(bn=8, rs=1, bk=1024, unroll=1, warps=4),
             GemvConfig(bn=32, rs=1, bk=256, unroll=1, warps=4), replace(b, prefetch=True))]

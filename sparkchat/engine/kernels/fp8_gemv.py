@@ -364,8 +364,9 @@ class GemvConfig:
 
 # Best measured on the H200 at the Ling-3.0-flash shapes, by (kind, T, N, K); docs/benchmarks.md has
 # the sweep. Wide k steps over few rows won at one token: more bytes in flight per program, fewer idle
-# tails; [bn, bk/16] accumulators (kacc) halve the registers, so twice the warps hide the latency. At four tokens the tensor-core kernel wins where N is large — KDA, MLA, dense gate|up and the
-# head get it from gemv_config's rule, the shared gate|up from here — and the small-N output and down
+# tails; [bn, bk/16] accumulators (kacc) halve the registers, so twice the warps hide the latency. At
+# four tokens the tensor-core kernel wins where N is large — KDA, MLA, dense gate|up and the head get
+# it from gemv_config's rule, the shared gate|up from here — and the small-N output and down
 # projections stay on FMAs.
 _G = GemvConfig
 _TUNED: dict[tuple[str, int, int, int], GemvConfig] = {
@@ -476,8 +477,12 @@ def _gemv(x, w, s, y, pmax, pidx, scale_kind: int, out_kind: int, cfg: GemvConfi
 
 
 def _kacc(cfg: GemvConfig, bk: int) -> int:
-    """The accumulator width for a k step of bk columns (0: [bn, bk], as without kacc)."""
-    return cfg.kacc if 0 < cfg.kacc < bk and bk % cfg.kacc == 0 else 0
+    """The accumulator width for a k step of bk columns (0: [bn, bk] ones, also when a small K has
+    narrowed the step to kacc columns or fewer)."""
+    if not 0 < cfg.kacc < bk:
+        return 0
+    assert bk % cfg.kacc == 0, f"kacc={cfg.kacc} must divide the k step ({bk})"
+    return cfg.kacc
 
 
 def _launch(x, w, s, y, pmax, pidx, scale_kind: int, out_kind: int, cfg: GemvConfig, **extra) -> None:
