@@ -383,6 +383,7 @@ _TUNED: dict[tuple[str, int, int, int], GemvConfig] = {
     ("block", 1, 6912, 2560): _G(bn=8, rs=1, bk=512, unroll=2, warps=2, kacc=32),  # MLA q|kv_a|g
     ("block", 1, 12288, 2560): _G(bn=16, rs=1, bk=512, unroll=1, warps=4, kacc=32),  # dense MLP gate|up
     ("block", 1, 2560, 6144): _G(bn=8, rs=1, bk=512, unroll=2, warps=2, split=4, kacc=32),  # dense MLP down
+    ("block", 4, 2560, 6144): _G(bn=8, rs=1, bk=512, unroll=1, warps=2, split=4, kacc=32),
 }
 
 
