@@ -348,7 +348,8 @@ _INTERPRET_SCRIPT = textwrap.dedent("""
     xw = torch.randn(3, 1024, generator=gen).bfloat16()
     for cfg in (GemvConfig(bn=8, rs=1, bk=256, split=2), GemvConfig(bn=16, rs=2, bk=128, split=4, prefetch=True),
                 GemvConfig(bn=8, rs=2, bk=512, split=1), GemvConfig(bn=8, rs=1, bk=128, split=2, row_acc=True),
-                GemvConfig(bn=16, rs=1, bk=64, row_acc=True, prefetch=True), GemvConfig(bn=8, rs=1, bk=256, kacc=16, split=2)):
+                GemvConfig(bn=16, rs=1, bk=64, row_acc=True, prefetch=True),
+                GemvConfig(bn=8, rs=1, bk=256, kacc=16, split=2)):
         got = fp8_block_gemv(xw, wide, wide_si, config=cfg)
         assert rel_err(got, ref.fp8_block_gemv_reference(xw, wide, wide_si)) < 1e-2, cfg
     # the down projection reading its gate|up input and computing the clamped SwiGLU on the way in
