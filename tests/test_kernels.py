@@ -465,3 +465,15 @@ def test_gemv_configs_are_the_measured_ones(monkeypatch):
     for shape in [("block", 1, 20480, 2560), ("head", 1, 157184, 2560), ("block", 4, 2560, 4096),
                   ("block", 4, 2560, 768)]:
         assert not gemv_config(*shape).mma, shape
+
+
+def test_narrow_accumulator_width_must_divide_the_k_step():
+    """kacc narrows the accumulators only where it divides the k step; a small K that shrinks the step to
+    kacc columns or fewer falls back to [bn, bk] accumulators, a kacc that does not divide it is refused."""
+    pytest.importorskip("triton")
+    from sparkchat.engine.kernels.fp8_gemv import GemvConfig, _kacc
+    assert _kacc(GemvConfig(bk=512, kacc=32), 512) == 32
+    assert _kacc(GemvConfig(bk=512, kacc=32), 32) == 0  # K = 32: one 32-column step
+    assert _kacc(GemvConfig(bk=512), 512) == 0
+    with pytest.raises(AssertionError, match="kacc=48"):
+        _kacc(GemvConfig(bk=512, kacc=48), 512)
