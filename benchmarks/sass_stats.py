@@ -88,6 +88,8 @@ def report(name: str, instrs: list[str] | None, per: float | None = None) -> Non
 
 _STAGE1_SIG = {"x_ptr": "*bf16", "ids_ptr": "*i32", "rw_ptr": "*fp32", "w13_ptr": "*i32", "s13_ptr": "*u8",
                "act_ptr": "*fp32", "limit": "fp32"}
+_GEMV_SIG = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "y_ptr": "*bf16", "pmax_ptr": "*fp32",
+             "pidx_ptr": "*i32", "lim": "fp32"}  # both FP8 GEMV kernels' non-constexpr arguments
 _STAGE2_SIG = {"act_ptr": "*fp32", "ids_ptr": "*i32", "w2_ptr": "*i32", "s2_ptr": "*u8", "part_ptr": "*fp32",
                "cnt_ptr": "*i32", "y_ptr": "*bf16", "add_ptr": "*bf16"}
 
@@ -127,11 +129,9 @@ def mma_gemv(arch: int) -> tuple[object, float]:
     from sparkchat.engine.kernels import fp8_gemv as g
 
     cfg = g.gemv_config("block", 4, 20480, H)
-    sig = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "y_ptr": "*bf16", "pmax_ptr": "*fp32",
-           "pidx_ptr": "*i32", "lim": "fp32"}
     cx = dict(T=4, N=20480, K=H, BM=cfg.bn, BK=cfg.bk, SCALE=0, OUT=0, SPLIT=cfg.split, STAGES=cfg.stages,
               XS=0, XU=0, X_SWIGLU=False, PDL=True)
-    return compile_kernel(g.fp8_mma_kernel, sig, cx, cfg.warps, arch), cfg.bn * cfg.bk / (32 * cfg.warps)
+    return compile_kernel(g.fp8_mma_kernel, _GEMV_SIG, cx, cfg.warps, arch), cfg.bn * cfg.bk / (32 * cfg.warps)
 
 
 def fma_gemv(arch: int, T: int, N: int, K: int, cfg=None) -> tuple[object, float]:
@@ -142,12 +142,10 @@ def fma_gemv(arch: int, T: int, N: int, K: int, cfg=None) -> tuple[object, float
     cfg = cfg or g.gemv_config("block", T, N, K)
     bk = min(cfg.bk, g._pow2(K))
     split = g._split_for(K, bk, cfg.split)
-    sig = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "y_ptr": "*bf16", "pmax_ptr": "*fp32",
-           "pidx_ptr": "*i32", "lim": "fp32"}
     cx = dict(T=T, N=N, K=K, BN=cfg.bn, RS=cfg.rs, BK=bk, UNROLL=cfg.unroll, SCALE=0, OUT=0 if split == 1 else 3,
               SPLIT=split, PREFETCH=cfg.prefetch, ROW_ACC=cfg.row_acc, XS=0, XU=0, X_SWIGLU=False, PDL=True,
               KACC=g._kacc(cfg, bk))
-    return compile_kernel(g.fp8_gemv_kernel, sig, cx, cfg.warps, arch), cfg.bn * cfg.rs * bk / (32 * cfg.warps)
+    return compile_kernel(g.fp8_gemv_kernel, _GEMV_SIG, cx, cfg.warps, arch), cfg.bn * cfg.rs * bk / (32 * cfg.warps)
 
 
 def registers(kernel, name: str) -> int | None:
