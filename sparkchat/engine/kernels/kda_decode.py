@@ -48,44 +48,51 @@ def _round(x, dtype: tl.constexpr):
 
 
 @triton.jit
-def _window(in_ptr, s_in, s_inc, conv_ptr, s_cv, s_cvc, c0, r, valid, ch, dtype: tl.constexpr,
-            KC: tl.constexpr):
-    """Conv window rows r (where valid) of channels c0+ch: the old state's K-1 rows, then the T inputs
-    (in_ptr already at column c0 of its projection). [R, DH] fp32 holding model-dtype values."""
-    old = r < KC - 1
-    a = tl.load(conv_ptr + r[:, None] * s_cv + (c0 + ch)[None, :] * s_cvc, mask=(valid & old)[:, None], other=0.0)
-    b = tl.load(in_ptr + (r - (KC - 1))[:, None] * s_in + ch[None, :] * s_inc, mask=(valid & ~old)[:, None],
-                other=0.0)
-    return tl.where(old[:, None], _round(a.to(tl.float32), dtype), b.to(tl.float32))
+def _vectors(ptr, stride, n: tl.constexpr, dtype: tl.constexpr):
+    """n rows ptr + r*stride (ptr a block of pointers) as a tuple of fp32 vectors, each rounded to dtype."""
+    out = ()
+    for r in tl.static_range(n):
+        out = out + (_round(tl.load(ptr + r * stride).to(tl.float32), dtype),)
+    return out
 
 
 @triton.jit
-def _conv(in_ptr, s_in, s_inc, conv_ptr, s_cv, s_cvc, w_ptr, s_w, s_wc, win_ptr, wmask, c0, ch, dtype: tl.constexpr,
-          T: tl.constexpr, KC: tl.constexpr, TP: tl.constexpr, WP: tl.constexpr, KP: tl.constexpr,
-          W3: tl.constexpr):
-    """One of q|k|v for this head's channels c0+ch: stores its window slice (if wmask); returns silu(causal conv)
-    rounded to the model dtype at the T positions [TP, DH], and the new conv state rows [KP, DH].
-    Small 2-D tiles (re-read from cache) rather than per-row vectors: they stay out of the registers
-    the state needs."""
-    rw = tl.arange(0, WP)
-    x = _window(in_ptr, s_in, s_inc, conv_ptr, s_cv, s_cvc, c0, rw, rw < KC - 1 + T, ch, dtype, KC)
-    tl.store(win_ptr + rw[:, None] * W3 + (c0 + ch)[None, :], x.to(dtype), mask=(rw < KC - 1 + T)[:, None] & wmask)
-    t = tl.arange(0, TP)
-    acc = tl.zeros((TP, ch.shape[0]), dtype=tl.float32)
-    for j in tl.static_range(KC):
-        w = tl.load(w_ptr + (c0 + ch) * s_w + j * s_wc).to(tl.float32)
-        x = _window(in_ptr, s_in, s_inc, conv_ptr, s_cv, s_cvc, c0, t + j, t < T, ch, dtype, KC)
-        acc = acc + x * w[None, :]  # the twin's left-to-right sum (0 + x0*w0 + x1*w1 ...)
-    rn = tl.arange(0, KP)
-    new = _window(in_ptr, s_in, s_inc, conv_ptr, s_cv, s_cvc, c0, T + rn, rn < KC - 1, ch, dtype, KC)
-    return _round(acc * tl.sigmoid(acc), dtype), new
+def _win(old, new, r: tl.constexpr, KC: tl.constexpr):
+    """Row r of the conv window: the K-1 old state rows, then the T inputs."""
+    if r < KC - 1:
+        x = old[r]
+    else:
+        x = new[r - (KC - 1)]
+    return x
 
 
 @triton.jit
-def _row(x, t):
-    """Row t of a [TP, DH] tile, as a [DH] vector (exact: the other rows add zeros)."""
-    rows = tl.arange(0, x.shape[0])
-    return tl.sum(tl.where(rows[:, None] == t, x, 0.0), axis=0)
+def _conv(old, new, w, dtype: tl.constexpr, T: tl.constexpr, KC: tl.constexpr):
+    """silu(causal depthwise conv) at the T positions, rounded to dtype: the twin's left-to-right sum
+    (0 + x0*w0 + x1*w1 ...) over the window rows, all held as vectors (no reloads, no row extraction)."""
+    out = ()
+    for t in tl.static_range(T):
+        acc = tl.zeros_like(w[0])
+        for j in tl.static_range(KC):
+            acc = acc + _win(old, new, t + j, KC) * w[j]
+        out = out + (_round(acc * tl.sigmoid(acc), dtype),)
+    return out
+
+
+@triton.jit
+def _store_window(win_ptr, old, new, cols, mask, T: tl.constexpr, KC: tl.constexpr, W3: tl.constexpr):
+    for r in tl.static_range(KC - 1 + T):
+        x = _win(old, new, r, KC)
+        tl.store(win_ptr + r * W3 + cols, x.to(win_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _store_conv_state(conv_ptr, s_cv, cols, old, new, T: tl.constexpr, KC: tl.constexpr):
+    """The new conv state: window rows T .. T+K-2, in the state's dtype (exact for the model dtype)."""
+    cdt = conv_ptr.dtype.element_ty
+    for r in tl.static_range(KC - 1):
+        x = _win(old, new, T + r, KC)
+        tl.store(conv_ptr + r * s_cv + cols, _round(x, cdt).to(cdt))
 
 
 @triton.jit
@@ -98,14 +105,19 @@ def kda_decode_kernel(
     s_q, s_qc, s_k, s_kc, s_v, s_vc, s_f, s_fc, s_b, s_bc, s_og, s_ogc, s_cv, s_cvc, s_w, s_wc,
     q_scale, lower_bound, eps,
     T: tl.constexpr, H: tl.constexpr, DH: tl.constexpr, KC: tl.constexpr, NB: tl.constexpr,
-    TP: tl.constexpr, WP: tl.constexpr, KP: tl.constexpr, SAFE_GATE: tl.constexpr, KEEP: tl.constexpr,
+    SAFE_GATE: tl.constexpr, KEEP: tl.constexpr,
     bx_ptr=None, bw_ptr=None,  # FOLD_B: the layer input [T, HID] and b_proj's weight [H, HID], contiguous
     FOLD_B: tl.constexpr = False, HID: tl.constexpr = 1, BKH: tl.constexpr = 1,
     PDL: tl.constexpr = False,
 ):
     """Program (h, b): head h, value columns [b*DH/NB, (b+1)*DH/NB) of its state (the delta rule never
     mixes value columns). The output norm needs the head's whole o: with NB > 1 each program stores its
-    o columns (rounded, unnormalized) and the head's last program to arrive normalizes them all."""
+    o columns (rounded, unnormalized) and the head's last program to arrive normalizes them all.
+
+    Latency-bound (~4 MB a layer over 128 programs): every load is issued up front, in two waves —
+    before the PDL wait whatever the previous kernel cannot have written (weights, the recurrent and
+    conv states, written a whole step ago), after it the projections — and the conv window is kept as
+    row vectors, so the kernel waits on memory twice rather than once per conv tap and tile."""
     h = tl.program_id(0)
     vb = tl.program_id(1)
     BV: tl.constexpr = DH // NB
@@ -113,78 +125,91 @@ def kda_decode_kernel(
     dtype = q_ptr.dtype.element_ty
     i = tl.arange(0, DH)  # along dk (rows of S)
     j = vb * BV + tl.arange(0, BV)  # along dv (columns of S)
-    sp = rec_ptr + h * DH * DH + i[:, None] * DH + j[None, :]
-    S = tl.load(sp)  # issued first: the state is most of the bytes
-    # The state was last written a whole step ago: its load may overlap the previous kernel (pdl.py).
-    pdl_wait(PDL)
-
-    # conv: this head's channels of q, k (all of them, in every program) and v (this program's block)
+    jj = tl.arange(0, DH)  # the whole head's value columns (the output norm)
     c = h * DH
-    first = vb == 0  # writes the q/k window slices
-    qs, nq = _conv(q_ptr + c * s_qc, s_q, s_qc, conv_ptr, s_cv, s_cvc, cw_ptr, s_w, s_wc, win_ptr, first, c, i,
-                   dtype, T, KC, TP, WP, KP, 3 * D)
-    ks, nk = _conv(k_ptr + c * s_kc, s_k, s_kc, conv_ptr, s_cv, s_cvc, cw_ptr, s_w, s_wc, win_ptr, first, D + c, i,
-                   dtype, T, KC, TP, WP, KP, 3 * D)
-    vs, nv = _conv(v_ptr + c * s_vc, s_v, s_vc, conv_ptr, s_cv, s_cvc, cw_ptr, s_w, s_wc, win_ptr, True, 2 * D + c,
-                   j, dtype, T, KC, TP, WP, KP, 3 * D)
-    # every thread's reads of the old conv/recurrent values are done before any in-place write
-    tl.debug_barrier()
-    rn = tl.arange(0, KP)[:, None]
-    cdt = conv_ptr.dtype.element_ty  # (the model dtype in the engine: then exact)
-    nq, nk, nv = _round(nq, cdt).to(cdt), _round(nk, cdt).to(cdt), _round(nv, cdt).to(cdt)
-    tl.store(conv_ptr + rn * s_cv + (2 * D + c + j)[None, :] * s_cvc, nv, mask=rn < KC - 1)
-    if NB == 1:  # else the other programs of this head still read the old q/k state: the last one writes it
-        tl.store(conv_ptr + rn * s_cv + (c + i)[None, :] * s_cvc, nq, mask=rn < KC - 1)
-        tl.store(conv_ptr + rn * s_cv + (D + c + i)[None, :] * s_cvc, nk, mask=rn < KC - 1)
-
-    # gate, beta and the output gate for all T positions at once, as small tiles
-    t2 = tl.arange(0, TP)
-    tm = (t2 < T)[:, None]
-    f = tl.load(f_ptr + t2[:, None] * s_f + (c + i)[None, :] * s_fc, mask=tm, other=0.0).to(tl.float32)
-    f = f + tl.load(dtb_ptr + c + i).to(tl.float32)[None, :]
+    sp = rec_ptr + h * DH * DH + i[:, None] * DH + j[None, :]
+    S = tl.load(sp)
+    # wave 1, before the wait: states (last written a step ago, pdl.py) and constants
+    cdt = conv_ptr.dtype.element_ty
+    cq = _vectors(conv_ptr + (c + i) * s_cvc, s_cv, KC - 1, dtype)
+    ck = _vectors(conv_ptr + (D + c + i) * s_cvc, s_cv, KC - 1, dtype)
+    cv = _vectors(conv_ptr + (2 * D + c + j) * s_cvc, s_cv, KC - 1, dtype)
+    wq = _vectors(cw_ptr + (c + i) * s_w, s_wc, KC, tl.float32)
+    wk = _vectors(cw_ptr + (D + c + i) * s_w, s_wc, KC, tl.float32)
+    wv = _vectors(cw_ptr + (2 * D + c + j) * s_w, s_wc, KC, tl.float32)
+    dtb = tl.load(dtb_ptr + c + i).to(tl.float32)
     rate = tl.exp(tl.load(alog_ptr + h).to(tl.float32))
-    if SAFE_GATE:
-        G = lower_bound * tl.sigmoid(rate * f)
+    if NB == 1:
+        onw = tl.load(onw_ptr + j).to(tl.float32)
     else:
-        G = -rate * tl.where(f > 20.0, f, _log1p(tl.exp(tl.minimum(f, 20.0))))  # softplus, torch's threshold
-    G = _round(G, dtype)  # the twin rounds the gate to the model dtype
+        onw = tl.load(onw_ptr + jj).to(tl.float32)
     if FOLD_B:
-        # beta's logit is one row of b_proj per head: computed here rather than by a separate GEMV
-        # launch, rounded to the model dtype as the linear's output would be
-        acc = tl.zeros([TP], dtype=tl.float32)
+        bws = ()
         for k0 in tl.static_range(0, HID, BKH):
             kk = k0 + tl.arange(0, BKH)
-            km = kk < HID
-            xw = tl.load(bx_ptr + t2[:, None] * HID + kk[None, :], mask=(t2 < T)[:, None] & km[None, :], other=0.0)
-            wv = tl.load(bw_ptr + h * HID + kk, mask=km, other=0.0)
-            acc += tl.sum(xw.to(tl.float32) * wv.to(tl.float32)[None, :], axis=1)
-        B = _round(tl.sigmoid(_round(acc, dtype)), dtype)
-    else:
-        bl = tl.load(b_ptr + t2 * s_b + h * s_bc, mask=t2 < T, other=0.0)
-        B = _round(tl.sigmoid(bl.to(tl.float32)), bl.dtype)  # sigmoid in beta_logit's dtype
-    odt = o_ptr.dtype.element_ty
-    if NB == 1:
-        og = tl.load(og_ptr + t2[:, None] * s_og + (c + j)[None, :] * s_ogc, mask=tm, other=0.0).to(tl.float32)
-        OG = tl.sigmoid(og)
-        onw = tl.load(onw_ptr + j).to(tl.float32)
+            bws = bws + (tl.load(bw_ptr + h * HID + kk, mask=kk < HID, other=0.0).to(tl.float32),)
+    pdl_wait(PDL)
 
+    # wave 2: this step's projections (model dtype: exact in fp32)
+    nq = _vectors(q_ptr + (c + i) * s_qc, s_q, T, tl.float32)
+    nk = _vectors(k_ptr + (c + i) * s_kc, s_k, T, tl.float32)
+    nv = _vectors(v_ptr + (c + j) * s_vc, s_v, T, tl.float32)
+    fs = _vectors(f_ptr + (c + i) * s_fc, s_f, T, tl.float32)
+    if NB == 1:
+        ogs = _vectors(og_ptr + (c + j) * s_ogc, s_og, T, tl.float32)
+    else:
+        ogs = _vectors(og_ptr + (c + jj) * s_ogc, s_og, T, tl.float32)
+    B = ()
     for t in tl.static_range(T):
-        q = _row(qs, t)
+        if FOLD_B:
+            # beta's logit is one row of b_proj per head: computed here rather than by a separate GEMV
+            # launch, rounded to the model dtype as the linear's output would be
+            acc = tl.zeros([BKH], dtype=tl.float32)
+            for k0 in tl.static_range(0, HID, BKH):
+                kk = k0 + tl.arange(0, BKH)
+                acc += tl.load(bx_ptr + t * HID + kk, mask=kk < HID, other=0.0).to(tl.float32) * bws[k0 // BKH]
+            B = B + (_round(tl.sigmoid(_round(tl.sum(acc, axis=0), dtype)), dtype),)
+        else:
+            bl = tl.load(b_ptr + t * s_b + h * s_bc)
+            B = B + (_round(tl.sigmoid(bl.to(tl.float32)), bl.dtype),)  # sigmoid in beta_logit's dtype
+
+    qs = _conv(cq, nq, wq, dtype, T, KC)
+    ks = _conv(ck, nk, wk, dtype, T, KC)
+    vs = _conv(cv, nv, wv, dtype, T, KC)
+    # the conv window (a verify rolls back to it), q/k columns from the head's first program
+    first = vb == 0
+    _store_window(win_ptr, cq, nq, c + i, first, T, KC, 3 * D)
+    _store_window(win_ptr, ck, nk, D + c + i, first, T, KC, 3 * D)
+    _store_window(win_ptr, cv, nv, 2 * D + c + j, vb >= 0, T, KC, 3 * D)
+    # every thread's reads of the old conv state are done (their values were used) before any write
+    tl.debug_barrier()
+    _store_conv_state(conv_ptr, s_cv, (2 * D + c + j) * s_cvc, cv, nv, T, KC)
+    if NB == 1:  # else the other programs of this head still read the old q/k state: the last one writes it
+        _store_conv_state(conv_ptr, s_cv, (c + i) * s_cvc, cq, nq, T, KC)
+        _store_conv_state(conv_ptr, s_cv, (D + c + i) * s_cvc, ck, nk, T, KC)
+
+    odt = o_ptr.dtype.element_ty
+    for t in tl.static_range(T):
+        q = qs[t]
         q = q / tl.sqrt(tl.sum(q * q, axis=0) + 1e-6) * q_scale
-        k = _row(ks, t)
+        k = ks[t]
         k = k / tl.sqrt(tl.sum(k * k, axis=0) + 1e-6)
-        g = _row(G, t)
-        beta = tl.sum(tl.where(t2 == t, B, 0.0), axis=0)
+        f = fs[t] + dtb
+        if SAFE_GATE:
+            g = lower_bound * tl.sigmoid(rate * f)
+        else:
+            g = -rate * tl.where(f > 20.0, f, _log1p(tl.exp(tl.minimum(f, 20.0))))  # softplus, torch's threshold
+        g = _round(g, dtype)  # the twin rounds the gate to the model dtype
 
         S = S * tl.exp(g)[:, None]
-        delta = (_row(vs, t) - tl.sum(S * k[:, None], axis=0)) * beta
+        delta = (vs[t] - tl.sum(S * k[:, None], axis=0)) * B[t]
         S = S + k[:, None] * delta[None, :]
         o = _round(tl.sum(S * q[:, None], axis=0), dtype)  # the twin rounds o before the norm
         if KEEP:
             tl.store(steps_ptr + t * H * DH * DH + h * DH * DH + i[:, None] * DH + j[None, :], S)
         if NB == 1:  # gated RMSNorm over the whole head, in the twin's order; round first: the cast is exact
             o = o * (1.0 / tl.sqrt(tl.sum(o * o, axis=0) / DH + eps))
-            tl.store(o_ptr + t * D + c + j, _round(onw * o * _row(OG, t), odt).to(odt))
+            tl.store(o_ptr + t * D + c + j, _round(onw * o * tl.sigmoid(ogs[t]), odt).to(odt))
         else:
             tl.store(o_ptr + t * D + c + j, o.to(odt))  # exact, normalized below
 
@@ -194,15 +219,13 @@ def kda_decode_kernel(
         # makes every program's o columns visible, and all of them are past their old-state reads
         tl.debug_barrier()
         if tl.atomic_add(cnt_ptr + h, 1, sem="acq_rel", scope="gpu") == NB - 1:
-            tl.store(conv_ptr + rn * s_cv + (c + i)[None, :] * s_cvc, nq, mask=rn < KC - 1)
-            tl.store(conv_ptr + rn * s_cv + (D + c + i)[None, :] * s_cvc, nk, mask=rn < KC - 1)
-            jj = tl.arange(0, DH)
-            op = o_ptr + t2[:, None] * D + (c + jj)[None, :]
-            O = tl.load(op, mask=tm, other=0.0, cache_modifier=".cg").to(tl.float32)
-            O = O * (1.0 / tl.sqrt(tl.sum(O * O, axis=1) / DH + eps))[:, None]
-            og = tl.load(og_ptr + t2[:, None] * s_og + (c + jj)[None, :] * s_ogc, mask=tm, other=0.0)
-            y = tl.load(onw_ptr + jj).to(tl.float32)[None, :] * O * tl.sigmoid(og.to(tl.float32))
-            tl.store(op, _round(y, odt).to(odt), mask=tm)
+            _store_conv_state(conv_ptr, s_cv, (c + i) * s_cvc, cq, nq, T, KC)
+            _store_conv_state(conv_ptr, s_cv, (D + c + i) * s_cvc, ck, nk, T, KC)
+            for t in tl.static_range(T):
+                op = o_ptr + t * D + c + jj
+                O = tl.load(op, cache_modifier=".cg").to(tl.float32)
+                O = O * (1.0 / tl.sqrt(tl.sum(O * O, axis=0) / DH + eps))
+                tl.store(op, _round(onw * O * tl.sigmoid(ogs[t]), odt).to(odt))
             tl.atomic_xchg(cnt_ptr + h, 0)  # ready for the next launch
 
 
@@ -251,7 +274,5 @@ def kda_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tenso
         b.stride(0), b.stride(1), out_gate.stride(0), out_gate.stride(1),
         conv_state.stride(0), conv_state.stride(1), conv_w.stride(0), conv_w.stride(1),
         float(head_dim ** -0.5), float(lower_bound), float(eps),
-        T=T, H=heads, DH=head_dim, KC=K, NB=dv_blocks, TP=triton.next_power_of_2(T),
-        WP=triton.next_power_of_2(K - 1 + T), KP=triton.next_power_of_2(K - 1), SAFE_GATE=bool(safe_gate),
-        KEEP=bool(keep_steps), num_warps=num_warps, **fold, **pdl_args(q.device))
+        T=T, H=heads, DH=head_dim, KC=K, NB=dv_blocks, SAFE_GATE=bool(safe_gate), KEEP=bool(keep_steps), num_warps=num_warps, **fold, **pdl_args(q.device))
     return o, window, steps
