@@ -173,7 +173,6 @@ def bench_moe(rec: Recorder, layer, sweep: bool) -> dict:
 
     d = moe_config(1, H, INTER)
     c1 = [d, replace(d, packed=not d.packed),  # the bf16x2 products (packed) against fp32 FMAs
-          replace(d, preload2=not d.preload2),  # stage 2's weights all loaded before the PDL wait, or not
           replace(d, packed=True, bn1=8, warps1=2, bn2=16, warps2=2),
           replace(d, packed=True, bkw1=32, unroll1=2, bn1=32, warps1=4, bkw2=32, bn2=32, warps2=4),
           replace(d, packed=True, bn1=8, rs1=2, bkw1=64, warps1=4, bn2=32, rs2=1, bkw2=16, warps2=4)]
@@ -188,7 +187,7 @@ def bench_moe(rec: Recorder, layer, sweep: bool) -> dict:
                MoeConfig(bn1=8, rs1=1, bkw1=64, warps1=2, bn2=8, rs2=1, bkw2=32, warps2=2, prefetch=True)]
     case(1, 0, 16, "T=1 (8 experts)", c1, baseline=True)
     d4 = moe_config(4, H, INTER)
-    c4 = [d4, replace(d4, packed=not d4.packed), replace(d4, preload2=not d4.preload2), MoeConfig(dedupe=False, prefetch=True),
+    c4 = [d4, replace(d4, packed=not d4.packed), MoeConfig(dedupe=False, prefetch=True),
           MoeConfig(rs1=1, rs2=1, dedupe=True)]
     if sweep:
         c4 += [MoeConfig(bn1=8, rs1=1, bkw1=64, warps1=2, bn2=8, rs2=1, bkw2=32, warps2=2, dedupe=False),

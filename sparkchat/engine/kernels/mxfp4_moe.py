@@ -264,23 +264,11 @@ def _decode(ws, ss, R: tl.constexpr):
 def _stream(accs, w_e, s_e, row0s, row_stride, srow_stride, KW: tl.constexpr, x_ptr, x_offs, valid,
             BN: tl.constexpr, BKW: tl.constexpr, R: tl.constexpr, NT: tl.constexpr, SKIP: tl.constexpr,
             UNROLL: tl.constexpr, PREFETCH: tl.constexpr, WAIT: tl.constexpr, PACKED: tl.constexpr,
-            INTERPRET: tl.constexpr, PRELOAD: tl.constexpr = False):
+            INTERPRET: tl.constexpr):
     """The k loop over KW words per row. PACKED: products in bf16x2 (_word_dot; one token only). PREFETCH: software-pipelined by one step (step k+1's weight,
     scale and activation loads are issued before step k is decoded and multiplied). WAIT: pdl_wait
-    between the first step's weight loads and its first activation load (kernels/pdl.py). PRELOAD
-    (PACKED, KW a multiple of BKW): every step's weights are loaded before that wait, so a short k loop
-    waits on memory once, overlapping the previous kernel's tail, instead of once per step."""
+    between the first step's weight loads and its first activation load (kernels/pdl.py)."""
     kw = _perm4(tl.arange(0, BKW))
-    if PRELOAD:
-        tiles = ()
-        for k0 in tl.static_range(0, KW, BKW):
-            tiles = tiles + (_load_tiles(w_e, s_e, row0s, row_stride, srow_stride, k0, BN, BKW, R),)
-        pdl_wait(WAIT)
-        base = x_ptr + x_offs[0]
-        for k0 in tl.static_range(0, KW, BKW):
-            ws, ss = tiles[k0 // BKW]
-            accs = _packed_step(accs, ws, ss, base, (k0 + kw) * 8, R, INTERPRET)
-        return accs
     ws, ss = _load_tiles(w_e, s_e, row0s, row_stride, srow_stride, 0, BN, BKW, R)
     pdl_wait(WAIT)
     if PACKED:  # one token (NT = 1), bf16x2 products: see _WORD_DOT_ASM
@@ -396,7 +384,6 @@ def mxfp4_moe_stage2_kernel(
     BN: tl.constexpr, RS: tl.constexpr, BKW: tl.constexpr, UNROLL: tl.constexpr,
     NT: tl.constexpr, K_PAD: tl.constexpr, S_PAD: tl.constexpr, DEDUPE: tl.constexpr, PREFETCH: tl.constexpr,
     PACKED: tl.constexpr = False, INTERPRET: tl.constexpr = False, PDL: tl.constexpr = False,
-    PRELOAD: tl.constexpr = False,
 ):
     """With PDL, the expert ids (written by the router, two or more kernels back) and the first step's
     weights are read before pdl_wait: the down weights start streaming during stage 1's tail."""
@@ -422,7 +409,7 @@ def mxfp4_moe_stage2_kernel(
         for r in tl.static_range(RS):
             row0s = row0s + (nb * (RS * BN) + r * BN,)
         accs = _stream(_zeros(NT * RS, BN, BKW), w_e, s_e, row0s, IW, IG, IW, act_ptr, a_offs, valid,
-                       BN, BKW, RS, NT, DEDUPE, UNROLL, PREFETCH, PDL, PACKED, INTERPRET, PRELOAD)
+                       BN, BKW, RS, NT, DEDUPE, UNROLL, PREFETCH, PDL, PACKED, INTERPRET)
         for t in tl.static_range(NT):
             out = part_ptr + slots[t] * H + rows
             for r in tl.static_range(RS):
@@ -461,7 +448,6 @@ class MoeConfig:
     dedupe: bool = True
     prefetch: bool = False  # one-step software pipelining of the k loop (not yet measured on a GPU)
     packed: bool = False  # bf16x2 products (_WORD_DOT_ASM); one token per program, so not with dedupe
-    preload2: bool = False  # stage 2 loads all its weights before the PDL wait (packed only)
 
 
 # Best measured on the H200 at the Ling-3.0-flash shape (H=2560, I=768, K=8); see docs/benchmarks.md.
@@ -603,6 +589,5 @@ def _plan(T: int, K: int, H: int, inter: int, cfg: MoeConfig) -> _Plan:
         grid1=(T * K, inter // (bn1 * rs1)),
         grid2=(H // (bn2 * rs2), T * K),
         meta1=dict(common, BN=bn1, RS=rs1, BKW=bkw1, UNROLL=cfg.unroll1, num_warps=cfg.warps1),
-        meta2=dict(common, BN=bn2, RS=rs2, BKW=bkw2, UNROLL=cfg.unroll2, num_warps=cfg.warps2,
-                   PRELOAD=cfg.preload2 and cfg.packed and (inter // 8) % bkw2 == 0),
+        meta2=dict(common, BN=bn2, RS=rs2, BKW=bkw2, UNROLL=cfg.unroll2, num_warps=cfg.warps2),
     )
