@@ -43,8 +43,15 @@ from sparkchat.engine.kernels.kda_decode import kda_decode
 from sparkchat.engine.kernels.mla_decode import mla_decode
 from sparkchat.engine.nn.kda import KimiDeltaAttention
 from sparkchat.engine.nn.mla import MultiLatentAttention
-from sparkchat.engine.kernels.fp8_gemv import fp8_block_gemv_add_norm, fp8_block_gemv_swiglu
+from sparkchat.engine.kernels.fp8_gemv import add_rms_norm, fp8_block_gemv_add_norm, fp8_block_gemv_swiglu
+from sparkchat.engine.nn.norm import RMSNorm
+calls = []
+def counted_add_norm(*args):
+    calls.append(args[0].shape[0])
+    return add_rms_norm(*args)
 for m in model.modules():
+    if isinstance(m, RMSNorm):
+        m.fast_add = counted_add_norm
     if isinstance(m, moe.MLP) and m.down_proj.is_fp8:
         m.swiglu_down = fp8_block_gemv_swiglu
     if isinstance(m, (KimiDeltaAttention, MultiLatentAttention)) and m.out_proj.is_fp8:
@@ -70,6 +77,7 @@ gap = ref.amax(-1) - ref.gather(-1, pick[:, None]).squeeze(-1)
 assert bool((gap <= 0.02 * ref.abs().amax(-1)).all()), gap
 assert any(l.fast is not None for l in model.linears())
 assert any(l.fast_add_norm is not None for l in model.linears())
+assert calls and max(calls) <= 8, calls  # the residual add + input norm of every layer after the first
 print("ok", rel)
 """
 

@@ -228,6 +228,24 @@ def test_fp8_block_gemv_add_norm_gpu(T):
 
 
 @gpu
+@pytest.mark.parametrize("T,N", [(1, 2560), (4, 2560), (5, 2560), (3, 200)])
+def test_add_rms_norm_gpu(T, N):
+    """The residual add + RMSNorm kernel against ops.add_rms_norm: the sum is exact, the norm within one
+    bf16 rounding (the mean's summation order differs) on a few elements at most."""
+    from sparkchat.engine.kernels.fp8_gemv import add_rms_norm
+    from sparkchat.engine.nn.ops import add_rms_norm as reference
+    gen = torch.Generator().manual_seed(T * N)
+    x = (torch.randn(T, N, generator=gen) * 3).bfloat16().cuda()
+    h = torch.randn(T, N, generator=gen).bfloat16().cuda()
+    nw = (torch.rand(N, generator=gen) + 0.5).bfloat16().cuda()
+    s_ref, n_ref = reference(x, h, nw, 1e-6)
+    s_got, n_got = add_rms_norm(x, h, nw, 1e-6)
+    assert torch.equal(s_got, s_ref)
+    assert (n_got == n_ref).float().mean().item() > 0.99 and rel_err(n_got, n_ref) < 1e-2
+    assert not torch.equal(add_rms_norm(x, h, nw * 1.01, 1e-6)[1], n_got)  # the weight is applied
+
+
+@gpu
 def test_mxfp4_moe_fused_shared_add_rounds_like_torch():
     from sparkchat.engine.kernels.mxfp4_moe import mxfp4_moe
     gen = torch.Generator().manual_seed(5)
@@ -352,6 +370,13 @@ _INTERPRET_SCRIPT = textwrap.dedent("""
                 GemvConfig(bn=8, rs=1, bk=256, kacc=16, split=2)):
         got = fp8_block_gemv(xw, wide, wide_si, config=cfg)
         assert rel_err(got, ref.fp8_block_gemv_reference(xw, wide, wide_si)) < 1e-2, cfg
+    # the residual add + RMSNorm of a decode window (bf16 casts truncate here: a tolerance)
+    from sparkchat.engine.kernels.fp8_gemv import add_rms_norm
+    from sparkchat.engine.nn.ops import add_rms_norm as add_rms_norm_reference
+    xa, ha = torch.randn(3, 200, generator=gen).bfloat16(), torch.randn(3, 200, generator=gen).bfloat16()
+    nwa = (torch.rand(200, generator=gen) + 0.5).bfloat16()
+    for got, want in zip(add_rms_norm(xa, ha, nwa, 1e-6), add_rms_norm_reference(xa, ha, nwa, 1e-6)):
+        assert rel_err(got, want) < 1e-2
     # the down projection reading its gate|up input and computing the clamped SwiGLU on the way in
     from sparkchat.engine.kernels.fp8_gemv import fp8_block_gemv_swiglu
     from sparkchat.engine.nn.moe import swiglu

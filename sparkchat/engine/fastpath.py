@@ -19,6 +19,7 @@ from collections.abc import Callable
 import torch
 
 from sparkchat.engine.nn.moe import MLP, Experts, MoE
+from sparkchat.engine.nn.norm import RMSNorm
 
 
 def kernels_unavailable_reason(device: torch.device, dtype: torch.dtype) -> str | None:
@@ -132,11 +133,14 @@ def install(model, *, linears: bool, experts: bool, head: bool) -> None:
     kda_core = None
     if linears:
         from sparkchat.engine.kernels.kda_decode import kda_decode as kda_core
-    swiglu_down = add_norm = None
+    swiglu_down = add_norm = add_rms_norm = None
     if linears:
+        from sparkchat.engine.kernels.fp8_gemv import add_rms_norm
         from sparkchat.engine.kernels.fp8_gemv import fp8_block_gemv_add_norm as add_norm
         from sparkchat.engine.kernels.fp8_gemv import fp8_block_gemv_swiglu as swiglu_down
     for m in model.modules():
+        if isinstance(m, RMSNorm):
+            m.fast_add = add_rms_norm if m.weight.is_cuda else None
         if isinstance(m, MLP):
             m.swiglu_down = swiglu_down if m.down_proj.is_fp8 and m.down_proj.weight.is_cuda else None
         if isinstance(m, (KimiDeltaAttention, MultiLatentAttention)):

@@ -15,7 +15,6 @@ from sparkchat.engine.nn.linear import FusedLinear, Linear, project_add_norm
 from sparkchat.engine.nn.mla import MLACache, MultiLatentAttention, Span
 from sparkchat.engine.nn.moe import MLP, MoE
 from sparkchat.engine.nn.norm import RMSNorm
-from sparkchat.engine.nn.ops import ops
 from sparkchat.engine.nn.rope import RotaryEmbedding
 from sparkchat.engine.state import ConversationState
 
@@ -60,7 +59,7 @@ class DecoderLayer(nn.Module):
         if pending is None:
             h = norm_in(x)
         else:
-            x, h = ops.add_rms_norm(x, pending, norm_in.weight, norm_in.eps)
+            x, h = norm_in.add_norm(x, pending)
         steps = None
         if self.is_mla:
             o = self.attention(h, span, state.mla[self.idx], rotary, absorbed=x.shape[0] <= 8, project_out=False)
@@ -252,7 +251,7 @@ class LingModel(nn.Module):
             x, pending, steps = layer(x, pending, span, state, self.rotary, keep_steps)
             if steps is not None:
                 kept[layer.idx] = steps
-        _, normed = ops.add_rms_norm(x, pending, self.norm.weight, self.norm.eps)
+        _, normed = self.norm.add_norm(x, pending)
         return normed, kept
 
     def draft_logits(self, mtp_hidden: torch.Tensor) -> torch.Tensor:

@@ -311,7 +311,8 @@ def splitk_add_norm_kernel(part_ptr, res_ptr, nw_ptr, res_out_ptr, h_ptr, eps, N
                            PDL: tl.constexpr = False):
     """One program per token: y = the SPLIT partials summed in order, rounded to bf16 (the projection's
     output), then the residual add and RMSNorm that follow it, rounded as ops.add_rms_norm rounds:
-    s = bf16(residual + y); h = w * bf16(s * rsqrt(mean(s²) + eps)). Writes s and h."""
+    s = bf16(residual + y); h = w * bf16(s * rsqrt(mean(s²) + eps)). Writes s and h. With SPLIT = 1
+    the one partial may be bf16 (add_rms_norm)."""
     pdl_wait(PDL)
     t = tl.program_id(0)
     i = tl.arange(0, BLOCK)
@@ -538,6 +539,21 @@ def fp8_block_gemv_add_norm(
     splitk_add_norm_kernel[(T,)](part, residual, norm_w, s_out, h, float(eps), N=N, T=T, SPLIT=split,
                                  BLOCK=_pow2(N), num_warps=8, **pdl_args(x.device))
     return s_out, h
+
+
+def add_rms_norm(x: torch.Tensor, h: torch.Tensor, norm_w: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """ops.add_rms_norm(x, h, norm_w, eps) for a decode window, bf16 [T, N]: (x + h, RMSNorm(x + h)) in
+    one launch of the split-K reduce's kernel, h its only partial. Inductor's fused kernel for the same
+    thing cannot take part in programmatic dependent launch, so the GEMV after it could not start
+    streaming its weights until it had finished."""
+    T, N = x.shape
+    assert h.shape == (T, N) and norm_w.shape == (N,)
+    assert x.dtype == h.dtype == norm_w.dtype == torch.bfloat16
+    s_out = torch.empty(T, N, dtype=x.dtype, device=x.device)
+    out = torch.empty_like(s_out)
+    splitk_add_norm_kernel[(T,)](h.contiguous(), x.contiguous(), norm_w.contiguous(), s_out, out, float(eps), N=N,
+                                 T=T, SPLIT=1, BLOCK=_pow2(N), num_warps=8, **pdl_args(x.device))
+    return s_out, out
 
 
 def fp8_block_gemv_swiglu(

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
 from sparkchat.engine.nn.ops import ops
+
+ADD_NORM_MAX_TOKENS = 8  # windows up to this many tokens may take the GPU kernel (decode, verify)
 
 
 class RMSNorm(nn.Module):
@@ -13,9 +17,19 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
         self.eps = eps
+        # GPU path for the residual add fused with this norm (fastpath installs kernels' add_rms_norm
+        # on CUDA models only)
+        self.fast_add: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return ops.rms_norm(x, self.weight, self.eps)
+
+    def add_norm(self, x: torch.Tensor, pending: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + pending, self(x + pending)): the residual add fused with the norm."""
+        if (self.fast_add is not None and x.dim() == 2 and x.shape[0] <= ADD_NORM_MAX_TOKENS
+                and x.dtype == pending.dtype == self.weight.dtype == torch.bfloat16):
+            return self.fast_add(x, pending, self.weight, self.eps)
+        return ops.add_rms_norm(x, pending, self.weight, self.eps)
 
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
