@@ -453,7 +453,8 @@ class MoeConfig:
 # Best measured on the H200 at the Ling-3.0-flash shape (H=2560, I=768, K=8); see docs/benchmarks.md.
 _TUNED: dict[tuple[int, int, int], MoeConfig] = {
     (1, 2560, 768): MoeConfig(bn1=16, rs1=1, bkw1=64, unroll1=2, warps1=4, bn2=32, rs2=1, bkw2=32, warps2=4),
-    (4, 2560, 768): MoeConfig(bn1=4, rs1=1, bkw1=64, warps1=1, bn2=8, rs2=1, bkw2=32, warps2=1, dedupe=False),
+    (4, 2560, 768): MoeConfig(bn1=4, rs1=1, bkw1=32, unroll1=2, warps1=1, bn2=8, rs2=1, bkw2=32, warps2=1,
+                              dedupe=False),
 }
 
 
