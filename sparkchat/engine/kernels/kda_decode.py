@@ -1,13 +1,13 @@
 """A whole KDA layer core for decode/verify windows (T ≤ 8) in one Triton launch (the twin is nn.kda.kda_core).
 
-One program per head (default), holding the head's dk×dv fp32 state in registers for all T positions:
-causal conv update of the head's q|k|v channels, silu, L2 norms, gate, beta, delta-rule recurrence, gated
-output RMSNorm, and the in-place conv/recurrent state updates (plus, with keep_steps, the conv window and
-the per-position states a verify rolls back to). It rounds exactly where kda_core rounds: the conv output,
-the gate and beta to the model dtype, o to the model dtype before the norm.
+Each program holds a block of one head's dk×dv fp32 state in registers for all T positions: causal
+conv update of the head's q|k|v channels, silu, L2 norms, gate, beta, delta-rule recurrence, gated output
+RMSNorm, and the in-place conv/recurrent state updates, plus the conv window and (keep_steps) the
+per-position states a verify rolls back to. It rounds exactly where kda_core rounds: the conv output, the
+gate and beta to the model dtype, o to the model dtype before the norm.
 
-dv_blocks > 1 spreads each head's value columns over that many programs (more SMs for the state's
-bytes); the head's last program to finish then applies the output norm, which needs the whole o.
+dv_blocks (LAUNCH: 4) spreads each head's value columns over that many programs (more SMs for the
+state's bytes); the head's last program to finish then applies the output norm, which needs the whole o.
 """
 
 from __future__ import annotations
@@ -20,9 +20,10 @@ from sparkchat.engine.kernels.counters import arrival_counters
 from sparkchat.engine.kernels.pdl import pdl_args, pdl_wait
 
 MAX_TOKENS = 8  # longer non-chunked steps go to the torch twin
-# Programs per head and warps (H200 sweep, docs/benchmarks.md): each head's value columns spread over
-# 4 programs of 4 warps — one token 6.0 µs a layer (one program of 8 warps: 8.4 µs), a verify window
-# of 5 with its per-position states 21.8 µs (57 µs; one program of 4 warps spills: 186 µs).
+# Programs per head and warps (H200 sweeps, docs/benchmarks.md): each head's value columns spread over
+# 4 programs of 4 warps — one token 4.65 µs a layer (one program of 8 warps: 8.95 µs; 4 x 2 warps was
+# faster alone, 4.15 µs, but not in the graphed step), a 4-token verify with its per-position states
+# 9.1 µs (one program of 8 warps: 36.9 µs).
 LAUNCH = (4, 4)
 
 
