@@ -3,6 +3,7 @@
 - FP8 block-scaled linears (decode and verify windows) → `fp8_block_gemv`; an MLP's down projection
   computes the SwiGLU of its gate|up input as it loads it (`fp8_block_gemv_swiglu`); an attention
   layer's output projection does the residual add and RMSNorm after it (`fp8_block_gemv_add_norm`);
+- a layer input's residual add + RMSNorm (decode and verify windows) → `add_rms_norm`, a PDL kernel;
 - routed MXFP4 experts → `mxfp4_moe` (reads only the selected experts' 4-bit weights);
 - the FP8 LM head → `fp8_head_gemv`;
 - the router's group-limited top-k → `route` (one program per token);
