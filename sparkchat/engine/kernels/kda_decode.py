@@ -131,7 +131,6 @@ def kda_decode_kernel(
     sp = rec_ptr + h * DH * DH + i[:, None] * DH + j[None, :]
     S = tl.load(sp)
     # wave 1, before the wait: states (last written a step ago, pdl.py) and constants
-    cdt = conv_ptr.dtype.element_ty
     cq = _vectors(conv_ptr + (c + i) * s_cvc, s_cv, KC - 1, dtype)
     ck = _vectors(conv_ptr + (D + c + i) * s_cvc, s_cv, KC - 1, dtype)
     cv = _vectors(conv_ptr + (2 * D + c + j) * s_cvc, s_cv, KC - 1, dtype)
@@ -275,5 +274,6 @@ def kda_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tenso
         b.stride(0), b.stride(1), out_gate.stride(0), out_gate.stride(1),
         conv_state.stride(0), conv_state.stride(1), conv_w.stride(0), conv_w.stride(1),
         float(head_dim ** -0.5), float(lower_bound), float(eps),
-        T=T, H=heads, DH=head_dim, KC=K, NB=dv_blocks, SAFE_GATE=bool(safe_gate), KEEP=bool(keep_steps), num_warps=num_warps, **fold, **pdl_args(q.device))
+        T=T, H=heads, DH=head_dim, KC=K, NB=dv_blocks, SAFE_GATE=bool(safe_gate), KEEP=bool(keep_steps),
+        num_warps=num_warps, **fold, **pdl_args(q.device))
     return o, window, steps
