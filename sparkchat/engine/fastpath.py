@@ -74,6 +74,12 @@ def side_stream_enabled() -> bool:
     return os.environ.get("SPARKCHAT_SIDE_STREAM", "1") != "0"
 
 
+def add_norm_kernel_enabled() -> bool:
+    """A layer input's residual add + RMSNorm runs as a PDL kernel unless SPARKCHAT_ADD_NORM=0
+    (then Inductor's fused kernel, outside the PDL chain)."""
+    return os.environ.get("SPARKCHAT_ADD_NORM", "1") != "0"
+
+
 _SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
 
@@ -141,7 +147,7 @@ def install(model, *, linears: bool, experts: bool, head: bool) -> None:
         from sparkchat.engine.kernels.fp8_gemv import fp8_block_gemv_swiglu as swiglu_down
     for m in model.modules():
         if isinstance(m, RMSNorm):
-            m.fast_add = add_rms_norm if m.weight.is_cuda else None
+            m.fast_add = add_rms_norm if m.weight.is_cuda and add_norm_kernel_enabled() else None
         if isinstance(m, MLP):
             m.swiglu_down = swiglu_down if m.down_proj.is_fp8 and m.down_proj.weight.is_cuda else None
         if isinstance(m, (KimiDeltaAttention, MultiLatentAttention)):
