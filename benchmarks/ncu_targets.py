@@ -10,7 +10,7 @@ so each launch streams from HBM). ncu picks launches by name, e.g.
 With --step it runs eager decode steps of an 8-layer model at full width instead, so any kernel of the
 step can be picked (the KDA core, the router, the add+norm), e.g. with stall samples per SASS line:
 
-    ncu --set full --import-source yes -k regex:kda_decode_kernel --launch-skip 10 --launch-count 1 \
+    ncu --set full --import-source yes -k regex:kda_decode_kernel --launch-skip 10 --launch-count 1 \\
         -o kda python3 benchmarks/ncu_targets.py --step
     ncu -i kda.ncu-rep --page source --csv --print-source sass > kda-sass.csv"""
 from __future__ import annotations
@@ -30,19 +30,12 @@ from sparkchat.engine.kernels.mxfp4_moe import mxfp4_moe, mxfp4_moe_workspace  #
 
 def decode_steps(layers: int = 8, steps: int = 4) -> None:
     """Eager one-token decode steps of a synthetic full-width model (kernels launched one by one)."""
-    from sparkchat.engine import fastpath
+    from benchmarks.profile_step import fast_synthetic
     from sparkchat.engine.generate import Decoder
     from sparkchat.engine.nn.ops import enable_compile
-    from sparkchat.engine.state import ConversationState
-    from sparkchat.engine.synthetic import build_synthetic, synthetic_config
 
     enable_compile()
-    cfg = synthetic_config(layers)
-    model = build_synthetic(cfg, "cuda", max_context=2048)
-    model.lm_head.build_fp8()
-    model.lm_head.use_fp8 = True
-    fastpath.install(model, linears=True, experts=True, head=True)
-    state = ConversationState.allocate(cfg, 2048, "cuda", torch.bfloat16)
+    model, state = fast_synthetic(layers, 2048)
     state.token_ids = [0] * 1024
     decoder = Decoder(model, state)
     for _ in range(steps):

@@ -39,13 +39,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.compile:
         enable_compile()
-    cfg = synthetic_config(args.layers)
-    context = max(2048, 2 * args.prefill)
-    model = build_synthetic(cfg, "cuda", max_context=context)
-    model.lm_head.build_fp8()
-    model.lm_head.use_fp8 = True
-    fastpath.install(model, linears=True, experts=True, head=True)
-    state = ConversationState.allocate(cfg, context, "cuda", torch.bfloat16)
+    model, state = fast_synthetic(args.layers, max(2048, 2 * args.prefill))
     if args.prefill:
         profile_prefill(model, state, args.prefill)
         return
@@ -71,6 +65,17 @@ def main() -> None:
     print(f"kernels per decode step: {n_kernels}")
     print(events.table(sort_by="cuda_time_total", row_limit=45, max_name_column_width=70))
     print(f"graph decode step: {graph_step_ms(model, state):.3f} ms")
+
+
+def fast_synthetic(layers: int | None, context: int) -> tuple[torch.nn.Module, ConversationState]:
+    """A synthetic Ling-3.0-flash-fp4 (full width; `layers` of them, all when None) on the GPU with every
+    kernel installed and the FP8 head, and a conversation state for `context` tokens."""
+    cfg = synthetic_config(layers)
+    model = build_synthetic(cfg, "cuda", max_context=context)
+    model.lm_head.build_fp8()
+    model.lm_head.use_fp8 = True
+    fastpath.install(model, linears=True, experts=True, head=True)
+    return model, ConversationState.allocate(cfg, context, "cuda", torch.bfloat16)
 
 
 def graph_step_ms(model, state: ConversationState, iters: int = 50) -> float:

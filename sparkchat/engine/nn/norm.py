@@ -7,9 +7,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from sparkchat.engine.nn.linear import GEMV_MAX_TOKENS
 from sparkchat.engine.nn.ops import ops
-
-ADD_NORM_MAX_TOKENS = 8  # windows up to this many tokens may take the GPU kernel (decode, verify)
 
 
 class RMSNorm(nn.Module):
@@ -25,8 +24,9 @@ class RMSNorm(nn.Module):
         return ops.rms_norm(x, self.weight, self.eps)
 
     def add_norm(self, x: torch.Tensor, pending: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x + pending, self(x + pending)): the residual add fused with the norm."""
-        if (self.fast_add is not None and x.dim() == 2 and x.shape[0] <= ADD_NORM_MAX_TOKENS
+        """(x + pending, self(x + pending)): the residual add fused with the norm (on the GPU path, for the
+        same decode/verify windows as the output projection's add+norm)."""
+        if (self.fast_add is not None and x.dim() == 2 and x.shape[0] <= GEMV_MAX_TOKENS
                 and x.dtype == pending.dtype == self.weight.dtype == torch.bfloat16):
             return self.fast_add(x, pending, self.weight, self.eps)
         return ops.add_rms_norm(x, pending, self.weight, self.eps)
