@@ -132,12 +132,16 @@ def moe_bytes(routes, T: int) -> float:
 
 def bench_moe(rec: Recorder, layer, sweep: bool) -> dict:
     from sparkchat.engine.kernels import reference as ref
+    from sparkchat.engine.kernels.mxfp4_layout import permute_words_
     from sparkchat.engine.kernels.mxfp4_moe import MoeConfig, _plan, moe_config, mxfp4_moe, mxfp4_moe_workspace
     w13, s13, w2, s2 = layer
-    w13_i32, w2_i32 = w13.view(torch.int32), w2.view(torch.int32)
+    # the engine's layout (kernels/mxfp4_layout.py): every config runs on paired words, the default also
+    # on the checkpoint's
+    p13, p2 = permute_words_(w13.clone()), permute_words_(w2.clone())
     best = {}
 
     def case(T, repeat, calls, label, cfgs, baseline=False):
+        cfgs = [(c, True) for c in cfgs] + [(cfgs[0], False)]
         routes = routings(T, calls, repeat, seed=T * 100 + repeat)
         nbytes, uniq = moe_bytes(routes, T)
         xs = [torch.randn(T, H, device="cuda").bfloat16() for _ in routes]
@@ -145,23 +149,29 @@ def bench_moe(rec: Recorder, layer, sweep: bool) -> dict:
         ws = mxfp4_moe_workspace(T, K, H, INTER, "cuda")
         results = []
         want = ref.mxfp4_moe_reference(xs[0], routes[0][0], routes[0][1], w13, s13, w2, s2, 4.0)
-        for cfg in cfgs:
-            got = mxfp4_moe(xs[0], routes[0][0], routes[0][1], w13, s13, w2, s2, 4.0, workspace=ws, config=cfg)
+        for cfg, paired in cfgs:
+            a13, a2 = (p13, p2) if paired else (w13, w2)
+            got = mxfp4_moe(xs[0], routes[0][0], routes[0][1], a13, s13, a2, s2, 4.0, workspace=ws, config=cfg,
+                            paired=paired)
             err = ((got.float() - want.float()).norm() / want.float().norm()).item()
-            assert err < 1e-2, f"mxfp4_moe {label} {cfg}: relative error {err}"
-            plan = _plan(T, K, H, INTER, cfg)
-            full = [lambda i=i, r=r: mxfp4_moe(xs[i], r[0], r[1], w13, s13, w2, s2, 4.0, out=outs[i], workspace=ws,
-                                               config=cfg) for i, r in enumerate(routes)]
+            assert err < 1e-2, f"mxfp4_moe {label} {cfg} paired={paired}: relative error {err}"
+            plan = _plan(T, K, H, INTER, cfg, paired)
+            full = [lambda i=i, r=r: mxfp4_moe(xs[i], r[0], r[1], a13, s13, a2, s2, 4.0, out=outs[i], workspace=ws,
+                                               config=cfg, paired=paired) for i, r in enumerate(routes)]
             us = graph_us(full)
-            s1 = graph_us([lambda i=i, r=r: plan.stage1(xs[i], r[0], r[1], w13_i32, s13, ws.act, 4.0)
+            s1 = graph_us([lambda i=i, r=r: plan.stage1(xs[i], r[0], r[1], a13.view(torch.int32), s13, ws.act, 4.0)
                            for i, r in enumerate(routes)])
-            s2us = graph_us([lambda i=i, r=r: plan.stage2(ws.act, r[0], w2_i32, s2, ws.part, ws.count, outs[i])
-                             for i, r in enumerate(routes)])
-            results.append((us, cfg, s1, s2us))
-            print(f"    cfg {asdict(cfg)}: {us:.2f} us (stage1 {s1:.2f}, stage2 {s2us:.2f})", flush=True)
-        us, cfg, s1, s2us = min(results, key=lambda r: r[0])
+            s2us = graph_us([lambda i=i, r=r: plan.stage2(ws.act, r[0], a2.view(torch.int32), s2, ws.part, ws.count,
+                                                          outs[i]) for i, r in enumerate(routes)])
+            results.append((us, cfg, s1, s2us, paired))
+            print(f"    cfg {asdict(cfg)} paired={paired}: {us:.2f} us (stage1 {s1:.2f}, stage2 {s2us:.2f})",
+                  flush=True)
+        us, cfg, s1, s2us, paired = min(results, key=lambda r: r[0])
+        unpaired = results[-1]
         row = rec.add(f"mxfp4_moe {label}", us, nbytes, unique_experts=uniq, stage1_us=round(s1, 2),
-                      stage2_us=round(s2us, 2), config=asdict(cfg))
+                      stage2_us=round(s2us, 2), config=asdict(cfg), paired=paired,
+                      default_checkpoint_order_us=round(unpaired[0], 2),
+                      default_checkpoint_order_stage_us=[round(unpaired[2], 2), round(unpaired[3], 2)])
         best[label] = row
         if baseline:
             n = min(4, len(routes))
@@ -219,6 +229,7 @@ def bench_moe_prefill(rec: Recorder, layer, sweep: bool) -> dict:
     act [T*K, I] and part [T*K, H] bf16 scratch written and read, out written. FLOPs: 2*T*K*3*H*I."""
     from sparkchat.engine.kernels.moe_prefill import (_Launch, group_by_expert, moe_prefill, prefill_config,
                                                       sweep_configs)
+    from sparkchat.engine.kernels.mxfp4_layout import permute_words_
     from sparkchat.engine.nn.moe import Experts
 
     w13, s13, w2, s2 = layer
@@ -277,6 +288,13 @@ def bench_moe_prefill(rec: Recorder, layer, sweep: bool) -> dict:
                   f"{us / T:.3f} us/token (err {err:.1e})", flush=True)
         assert results, f"moe_prefill T={T}: every config failed"
         us, cfg = min(results, key=lambda r: r[0])
+        p13, p2 = permute_words_(w13.clone()), permute_words_(w2.clone())  # the engine's layout
+        got = moe_prefill(x, ids, wts, p13, s13, p2, s2, limit, add=add, config=cfg, paired=True)
+        assert torch.equal(got, moe_prefill(x, ids, wts, w13, s13, w2, s2, limit, add=add, config=cfg))
+        paired_us = timed_us(lambda: moe_prefill(x, ids, wts, p13, s13, p2, s2, limit, add=add, out=out, config=cfg,
+                                                 paired=True))
+        print(f"    T={T} best cfg on paired words: {paired_us:.1f} us (checkpoint order {us:.1f})", flush=True)
+        del p13, p2
         launch = _Launch(T, K, H, INTER, cfg)
         blocks = group_by_expert(ids, E, cfg.bm)
         act = torch.empty(T * K, INTER, dtype=torch.bfloat16, device="cuda")
@@ -290,7 +308,7 @@ def bench_moe_prefill(rec: Recorder, layer, sweep: bool) -> dict:
             f"moe_prefill T={T}", us, nbytes, tflops=round(flops / us / 1e6, 1), us_per_token=round(us / T, 3),
             unique_experts=uniq, group_us=round(g_us, 1), stage1_us=round(s1_us, 1),
             stage1_tflops=round(flops * 2 / 3 / s1_us / 1e6, 1), stage2_us=round(s2_us, 1),
-            stage2_tflops=round(flops / 3 / s2_us / 1e6, 1), combine_us=round(c_us, 1),
+            stage2_tflops=round(flops / 3 / s2_us / 1e6, 1), combine_us=round(c_us, 1), paired_us=round(paired_us, 1),
             default_us=round(results[0][0], 1) if results[0][1] == cfgs[0] else None, config=asdict(cfg))
         rec.add(f"reference Experts.forward T={T}", base_us, nbytes, tflops=round(flops / base_us / 1e6, 2),
                 us_per_token=round(base_us / T, 3), speedup_of_kernel=round(base_us / us, 1))

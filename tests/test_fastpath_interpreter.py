@@ -58,6 +58,7 @@ for m in model.modules():
         m.out_proj.fast_add_norm = fp8_block_gemv_add_norm
     if isinstance(m, moe.MoE):
         m.fast_experts = fastpath.ExpertsKernel(m.experts)
+        m.experts.use_paired_words()  # as install() does on a GPU: the kernels read the paired word order
     elif isinstance(m, KimiDeltaAttention):
         m.fast_core = kda_decode
     elif isinstance(m, MultiLatentAttention):
@@ -78,6 +79,7 @@ assert bool((gap <= 0.02 * ref.abs().amax(-1)).all()), gap
 assert any(l.fast is not None for l in model.linears())
 assert any(l.fast_add_norm is not None for l in model.linears())
 assert calls and max(calls) <= 8, calls  # the residual add + input norm of every layer after the first
+assert all(m.experts.paired for m in model.modules() if isinstance(m, moe.MoE))
 print("ok", rel)
 """
 

@@ -59,19 +59,25 @@ class ExpertsKernel:
 
                 return moe_prefill(x.contiguous(), ids.contiguous(), weights.float().contiguous(), ex.w13,
                                    ex.w13_scale, ex.w2, ex.w2_scale, ex.limit,
-                                   add=None if add is None else add.contiguous())
+                                   add=None if add is None else add.contiguous(), paired=ex.paired)
             out = ex(x, ids, weights)  # the reference path
             return out if add is None else out + add
         from sparkchat.engine.kernels.mxfp4_moe import mxfp4_moe
 
         ex = self.experts
         return mxfp4_moe(x.contiguous(), ids.contiguous(), weights.float().contiguous(), ex.w13, ex.w13_scale,
-                         ex.w2, ex.w2_scale, ex.limit, add=add, join=join)
+                         ex.w2, ex.w2_scale, ex.limit, add=add, join=join, paired=ex.paired)
 
 
 def side_stream_enabled() -> bool:
     """The shared expert runs on a side stream alongside the routing unless SPARKCHAT_SIDE_STREAM=0."""
     return os.environ.get("SPARKCHAT_SIDE_STREAM", "1") != "0"
+
+
+def paired_words_enabled() -> bool:
+    """The MXFP4 experts are reordered into the kernels' paired word layout when the MoE kernels are
+    installed, unless SPARKCHAT_MOE_PAIRED=0 (then the kernels decode the checkpoint's order)."""
+    return os.environ.get("SPARKCHAT_MOE_PAIRED", "1") != "0"
 
 
 def add_norm_kernel_enabled() -> bool:
@@ -157,6 +163,8 @@ def install(model, *, linears: bool, experts: bool, head: bool) -> None:
             m.fast_core = kda_core if m.A_log.is_cuda else None
         if isinstance(m, MoE):
             m.fast_experts = ExpertsKernel(m.experts) if experts and m.experts.is_mxfp4 else None
+            if m.fast_experts is not None and m.experts.w13.is_cuda:
+                m.experts.use_paired_words(paired_words_enabled())  # the reference path unpairs what it reads
             overlap = m.fast_experts is not None and m.experts.w13.is_cuda and side_stream_enabled()
             m.side_stream = side_stream(m.experts.w13.device) if overlap else None
         elif isinstance(m, MultiLatentAttention):

@@ -77,6 +77,35 @@ def _decode(wb, sb, BN: tl.constexpr, BK: tl.constexpr):
 
 
 @triton.jit
+def _decode_paired(ww, sb, BN: tl.constexpr, BK: tl.constexpr):
+    """_decode for int32 words in paired order (kernels/mxfp4_layout.py): ww [BN, BK/8], codes (j, j+4)
+    of a word at the bf16 bits of its two halves (sign 15, e1 e0 m 8:6), shifted into the top of an
+    fp32 as in _decode."""
+    sc = tl.reshape(((tl.minimum(sb.to(tl.int32), 128) + 126) << 23).to(tl.float32, bitcast=True), [BN, BK // 32, 1])
+    pairs = (ww & -0x7E3F7E40, (ww << 6) & -0x7E3F7E40, (ww << 3) & -0x7E3F7E40,  # 0x81C081C0
+             ((ww >> 4) & 0x00C000C0) | ((ww >> 5) & 0x01000100) | ((ww << 1) & -0x7FFF8000))
+    lo = ()
+    hi = ()
+    for i in tl.static_range(4):
+        c_lo = tl.reshape((pairs[i] << 16).to(tl.float32, bitcast=True), [BN, BK // 32, 4])
+        c_hi = tl.reshape((pairs[i] & -0x10000).to(tl.float32, bitcast=True), [BN, BK // 32, 4])
+        lo = lo + ((c_lo * sc).to(tl.bfloat16),)  # code i of each word
+        hi = hi + ((c_hi * sc).to(tl.bfloat16),)  # code i + 4
+    # codes 0..7 of each word in order: the last three joined axes are the index's bits 2, 1, 0
+    even = tl.join(tl.join(lo[0], hi[0]), tl.join(lo[2], hi[2]))
+    odd = tl.join(tl.join(lo[1], hi[1]), tl.join(lo[3], hi[3]))
+    return tl.reshape(tl.join(even, odd), [BN, BK])
+
+
+@triton.jit
+def _tile(w, sb, BN: tl.constexpr, BK: tl.constexpr, PAIRED: tl.constexpr):
+    if PAIRED:
+        return _decode_paired(w, sb, BN, BK)
+    else:
+        return _decode(w, sb, BN, BK)
+
+
+@triton.jit
 def _mma(a, w, acc, SWAP: tl.constexpr, INTERPRET: tl.constexpr):
     """acc + a @ w^T ([BM, BN]) or, SWAP, acc + w @ a^T ([BN, BM]: the decoded weights are the MMA's
     left operand, taken from registers, and the tokens its N side), on tensor cores: bf16 in, fp32
@@ -150,7 +179,9 @@ def moe_prefill_gate_up_kernel(
     x_ptr, order_ptr, meta_ptr, w_ptr, s_ptr, act_ptr, limit, NB,
     H: tl.constexpr, I: tl.constexpr, K: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SWAP: tl.constexpr, INTERPRET: tl.constexpr,
+    PAIRED: tl.constexpr = False, KD: tl.constexpr = 2,
 ):
+    """KD: inputs per element of w_ptr (2: E2M1 bytes; 8: int32 words in paired order, PAIRED)."""
     nt, e, start, rows = _block(meta_ptr, NB, I // BN)
     if e < 0:
         return
@@ -161,18 +192,18 @@ def moe_prefill_gate_up_kernel(
     kk = tl.arange(0, BK)
     a_ptrs = x_ptr + tok[:, None] * H + kk[None, :]
     n = nt * BN + tl.arange(0, BN)
-    w_e = w_ptr + e.to(tl.int64) * (2 * I * (H // 2))
+    w_e = w_ptr + e.to(tl.int64) * (2 * I * (H // KD))
     s_e = s_ptr + e.to(tl.int64) * (2 * I * (H // 32))
-    wg_ptrs = w_e + n[:, None] * (H // 2) + tl.arange(0, BK // 2)[None, :]  # gate rows n
+    wg_ptrs = w_e + n[:, None] * (H // KD) + tl.arange(0, BK // KD)[None, :]  # gate rows n
     sg_ptrs = s_e + n[:, None] * (H // 32) + tl.arange(0, BK // 32)[None, :]
-    wu_ptrs = wg_ptrs + I * (H // 2)  # up rows I + n
+    wu_ptrs = wg_ptrs + I * (H // KD)  # up rows I + n
     su_ptrs = sg_ptrs + I * (H // 32)
     acc_g = _zeros(BM, BN, SWAP)
     acc_u = _zeros(BM, BN, SWAP)
     for k0 in range(0, H, BK):
         a = tl.load(a_ptrs + k0, mask=rmask[:, None], other=0.0)
-        wg = _decode(tl.load(wg_ptrs + k0 // 2), tl.load(sg_ptrs + k0 // 32), BN, BK)
-        wu = _decode(tl.load(wu_ptrs + k0 // 2), tl.load(su_ptrs + k0 // 32), BN, BK)
+        wg = _tile(tl.load(wg_ptrs + k0 // KD), tl.load(sg_ptrs + k0 // 32), BN, BK, PAIRED)
+        wu = _tile(tl.load(wu_ptrs + k0 // KD), tl.load(su_ptrs + k0 // 32), BN, BK, PAIRED)
         acc_g = _mma(a, wg, acc_g, SWAP, INTERPRET)
         acc_u = _mma(a, wu, acc_u, SWAP, INTERPRET)
     # clamped SwiGLU (limit <= 0: no clamp): min(silu(g), L) * clip(u, -L, L)
@@ -188,6 +219,7 @@ def moe_prefill_down_kernel(
     act_ptr, order_ptr, meta_ptr, rw_ptr, w_ptr, s_ptr, part_ptr, NB,
     H: tl.constexpr, I: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SWAP: tl.constexpr, INTERPRET: tl.constexpr,
+    PAIRED: tl.constexpr = False, KD: tl.constexpr = 2,
 ):
     nt, e, start, rows = _block(meta_ptr, NB, H // BN)
     if e < 0:
@@ -197,12 +229,12 @@ def moe_prefill_down_kernel(
     kk = tl.arange(0, BK)
     a_ptrs = act_ptr + (start + m)[:, None] * I + kk[None, :]
     n = nt * BN + tl.arange(0, BN)
-    w_ptrs = w_ptr + e.to(tl.int64) * (H * (I // 2)) + n[:, None] * (I // 2) + tl.arange(0, BK // 2)[None, :]
+    w_ptrs = w_ptr + e.to(tl.int64) * (H * (I // KD)) + n[:, None] * (I // KD) + tl.arange(0, BK // KD)[None, :]
     s_ptrs = s_ptr + e.to(tl.int64) * (H * (I // 32)) + n[:, None] * (I // 32) + tl.arange(0, BK // 32)[None, :]
     acc = _zeros(BM, BN, SWAP)
     for k0 in range(0, I, BK):
         a = tl.load(a_ptrs + k0, mask=rmask[:, None], other=0.0)
-        w = _decode(tl.load(w_ptrs + k0 // 2), tl.load(s_ptrs + k0 // 32), BN, BK)
+        w = _tile(tl.load(w_ptrs + k0 // KD), tl.load(s_ptrs + k0 // 32), BN, BK, PAIRED)
         acc = _mma(a, w, acc, SWAP, INTERPRET)
     slot = tl.load(order_ptr + start + m, mask=rmask, other=0)
     rw = tl.load(rw_ptr + slot, mask=rmask, other=0.0)
@@ -383,24 +415,32 @@ class _Launch:
     H: int
     I: int
     cfg: PrefillConfig
+    paired: bool = False  # weights as int32 words in paired order (kernels/mxfp4_layout.py)
+
+    def _weights(self, w: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        if self.paired:
+            return w.view(torch.int32), dict(PAIRED=True, KD=8)
+        return w, dict(PAIRED=False, KD=2)
 
     def stage1(self, x, blocks: ExpertBlocks, w13, w13_scale, act, limit: float) -> None:
         c = self.cfg
         bn, bk = _fit(c.bn1, self.I), _fit(c.bk1, self.H)
         grid = (blocks.num_blocks * (self.I // bn),)
+        w13, layout = self._weights(w13)
         moe_prefill_gate_up_kernel[grid](
             x, blocks.order, blocks.meta, w13, w13_scale, act, float(limit), blocks.num_blocks,
             H=self.H, I=self.I, K=self.K, BM=c.bm, BN=bn, BK=bk, SWAP=c.swap, INTERPRET=_interpreting(),
-            num_warps=c.warps1, num_stages=c.stages1)
+            num_warps=c.warps1, num_stages=c.stages1, **layout)
 
     def stage2(self, act, blocks: ExpertBlocks, rw, w2, w2_scale, part) -> None:
         c = self.cfg
         bn, bk = _fit(c.bn2, self.H), _fit(c.bk2, self.I)
         grid = (blocks.num_blocks * (self.H // bn),)
+        w2, layout = self._weights(w2)
         moe_prefill_down_kernel[grid](
             act, blocks.order, blocks.meta, rw, w2, w2_scale, part, blocks.num_blocks,
             H=self.H, I=self.I, BM=c.bm, BN=bn, BK=bk, SWAP=c.swap, INTERPRET=_interpreting(),
-            num_warps=c.warps2, num_stages=c.stages2)
+            num_warps=c.warps2, num_stages=c.stages2, **layout)
 
     def combine(self, part, out, add=None) -> None:
         bt, bh = self.cfg.bt, _fit(self.cfg.bh, self.H)
@@ -422,6 +462,7 @@ def moe_prefill(
     add: torch.Tensor | None = None,  # [T, H] bf16 added to the result (the shared expert's output)
     out: torch.Tensor | None = None,  # [T, H] bf16
     config: PrefillConfig | None = None,
+    paired: bool = False,  # w13 and w2 in paired word order (kernels/mxfp4_layout.py)
 ) -> torch.Tensor:
     """Routed MXFP4 experts for a prompt: sum_k w[t,k] * down_e(swiglu_L(gate_e x_t, up_e x_t)) (+ add)
     -> bf16 [T, H], e = topk_ids[t, k]. Any T >= 1 works; it is meant for T > 8 (mxfp4_moe serves
@@ -450,7 +491,7 @@ def moe_prefill(
         assert add.shape == (T, H) and add.dtype == torch.bfloat16 and add.is_contiguous()
     if T == 0:
         return out
-    launch = _Launch(T, K, H, inter, cfg)
+    launch = _Launch(T, K, H, inter, cfg, paired)
     blocks = group_by_expert(topk_ids, E, cfg.bm)
     rw = topk_weights.to(torch.float32).reshape(-1).contiguous()
     act = torch.empty(T * K, inter, dtype=torch.bfloat16, device=x.device)

@@ -44,6 +44,7 @@ _MAG2 = tl.constexpr(0x01C001C0)  # e1 e0 m of two bf16 halves (bits 8:6 of each
 _SIGN2 = tl.constexpr(-0x7FFF8000)  # 0x80008000 as int32: sign bit of each half
 _HI16 = tl.constexpr(-0x10000)  # 0xFFFF0000
 _X_SCALE = tl.constexpr(1.2676506002282294e30)  # 2^100, applied to activations
+_PAIR2 = tl.constexpr(-0x7E3F7E40)  # 0x81C081C0 as int32: sign and e1 e0 m of two bf16 halves
 
 
 @triton.jit
@@ -60,6 +61,24 @@ def _unpack8(w):
     c2, c6 = _halves(((w >> 2) & _MAG2) | ((w << 4) & _SIGN2))
     c3, c7 = _halves(((w >> 6) & _MAG2) | (w & _SIGN2))
     return c0, c1, c2, c3, c4, c5, c6, c7
+
+
+@triton.jit
+def _unpack8_paired(w):
+    """_unpack8 for a word in paired order (kernels/mxfp4_layout.py): pairs 0-2 are one shift and one mask."""
+    c0, c4 = _halves(w & _PAIR2)
+    c1, c5 = _halves((w << 6) & _PAIR2)
+    c2, c6 = _halves((w << 3) & _PAIR2)
+    c3, c7 = _halves(((w >> 4) & 0x00C000C0) | ((w >> 5) & 0x01000100) | ((w << 1) & _SIGN2))
+    return c0, c1, c2, c3, c4, c5, c6, c7
+
+
+@triton.jit
+def _unpack(w, PAIRED: tl.constexpr):
+    if PAIRED:
+        return _unpack8_paired(w)
+    else:
+        return _unpack8(w)
 
 
 @triton.jit
@@ -118,6 +137,25 @@ shl.b32 a, q, 16; and.b32 b, q, 0xFFFF0000; add.f32 $0, a, b;
 }
 """)
 
+# _WORD_DOT_ASM for a word in paired order (kernels/mxfp4_layout.py): the same products in the same
+# order, 13 integer ops a word instead of 19 before ptxas.
+_WORD_DOT_PAIRED_ASM = tl.constexpr("""
+{
+.reg .b32 p, q, a, b;
+mov.b32 q, 0x80008000;
+and.b32 p, $1, 0x81C081C0;
+fma.rn.bf16x2 q, p, $2, q;
+shl.b32 p, $1, 6; and.b32 p, p, 0x81C081C0;
+fma.rn.bf16x2 q, p, $3, q;
+shl.b32 p, $1, 3; and.b32 p, p, 0x81C081C0;
+fma.rn.bf16x2 q, p, $4, q;
+shr.u32 a, $1, 4; shr.u32 b, $1, 5; and.b32 a, a, 0x00C000C0; and.b32 b, b, 0x01000100; or.b32 p, a, b;
+shl.b32 a, $1, 1; and.b32 a, a, 0x80008000; or.b32 p, p, a;
+fma.rn.bf16x2 q, p, $5, q;
+shl.b32 a, q, 16; and.b32 b, q, 0xFFFF0000; add.f32 $0, a, b;
+}
+""")
+
 
 @triton.jit
 def _bf16_round(v):
@@ -146,18 +184,22 @@ def _pack_x(base, offs, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _word_dot(w, xp, INTERPRET: tl.constexpr):
+def _word_dot(w, xp, INTERPRET: tl.constexpr, PAIRED: tl.constexpr):
     """Word tile w [BN, BKW] . packed activations xp (_pack_x) -> fp32 [BN, BKW], each word's 8 products
     summed in bf16x2 (two chains of four) and the two halves added in fp32. The interpreter emulates
     the bf16x2 FMAs in fp32 with a bf16 rounding after each."""
     if INTERPRET:
-        c = _unpack8(w)
+        c = _unpack(w, PAIRED)
         s_lo = tl.zeros(w.shape, dtype=tl.float32)
         s_hi = tl.zeros(w.shape, dtype=tl.float32)
         for i in tl.static_range(4):
             s_lo = _bf16_round(c[i] * xp[2 * i][None, :] + s_lo)
             s_hi = _bf16_round(c[i + 4] * xp[2 * i + 1][None, :] + s_hi)
         d = s_lo + s_hi
+    elif PAIRED:
+        d = tl.inline_asm_elementwise(_WORD_DOT_PAIRED_ASM, "=r,r,r,r,r,r",
+                                      [w, xp[0][None, :], xp[1][None, :], xp[2][None, :], xp[3][None, :]],
+                                      dtype=tl.float32, is_pure=True, pack=1)
     else:
         d = tl.inline_asm_elementwise(_WORD_DOT_ASM, "=r,r,r,r,r,r",
                                       [w, xp[0][None, :], xp[1][None, :], xp[2][None, :], xp[3][None, :]],
@@ -166,12 +208,12 @@ def _word_dot(w, xp, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _packed_step(accs, ws, ss, base, offs, R: tl.constexpr, INTERPRET: tl.constexpr):
+def _packed_step(accs, ws, ss, base, offs, R: tl.constexpr, INTERPRET: tl.constexpr, PAIRED: tl.constexpr):
     """accs[r] += scale * (word tile r . activations at base + offs), products in bf16x2."""
     xp = _pack_x(base, offs, INTERPRET)
     new = ()
     for r in tl.static_range(R):
-        new = new + (accs[r] + _word_dot(ws[r], xp, INTERPRET) * _e8m0_scale(ss[r]),)
+        new = new + (accs[r] + _word_dot(ws[r], xp, INTERPRET, PAIRED) * _e8m0_scale(ss[r]),)
     return new
 
 
@@ -251,11 +293,11 @@ def _load_tiles(w_e, s_e, row0s, row_stride, srow_stride, k0, BN: tl.constexpr, 
 
 
 @triton.jit
-def _decode(ws, ss, R: tl.constexpr):
+def _decode(ws, ss, R: tl.constexpr, PAIRED: tl.constexpr):
     cs = ()
     scs = ()
     for r in tl.static_range(R):
-        cs = cs + (_unpack8(ws[r]),)
+        cs = cs + (_unpack(ws[r], PAIRED),)
         scs = scs + (_e8m0_scale(ss[r]),)
     return cs, scs
 
@@ -264,36 +306,45 @@ def _decode(ws, ss, R: tl.constexpr):
 def _stream(accs, w_e, s_e, row0s, row_stride, srow_stride, KW: tl.constexpr, x_ptr, x_offs, valid,
             BN: tl.constexpr, BKW: tl.constexpr, R: tl.constexpr, NT: tl.constexpr, SKIP: tl.constexpr,
             UNROLL: tl.constexpr, PREFETCH: tl.constexpr, WAIT: tl.constexpr, PACKED: tl.constexpr,
-            INTERPRET: tl.constexpr):
+            INTERPRET: tl.constexpr, PAIRED: tl.constexpr):
     """The k loop over KW words per row. PACKED: products in bf16x2 (_word_dot; one token only). PREFETCH: software-pipelined by one step (step k+1's weight,
     scale and activation loads are issued before step k is decoded and multiplied). WAIT: pdl_wait
-    between the first step's weight loads and its first activation load (kernels/pdl.py)."""
+    between the first step's weight loads and its first activation load (kernels/pdl.py). PAIRED: the
+    words are in paired order (kernels/mxfp4_layout.py)."""
     kw = _perm4(tl.arange(0, BKW))
     ws, ss = _load_tiles(w_e, s_e, row0s, row_stride, srow_stride, 0, BN, BKW, R)
     pdl_wait(WAIT)
     if PACKED:  # one token (NT = 1), bf16x2 products: see _WORD_DOT_ASM
         base = x_ptr + x_offs[0]
-        accs = _packed_step(accs, ws, ss, base, kw * 8, R, INTERPRET)
-        for k0 in tl.range(BKW, KW, BKW, loop_unroll_factor=UNROLL):
-            ws, ss = _load_tiles(w_e, s_e, row0s, row_stride, srow_stride, k0, BN, BKW, R)
-            accs = _packed_step(accs, ws, ss, base, (k0 + kw) * 8, R, INTERPRET)
+        if PREFETCH:
+            for k0 in tl.range(0, KW, BKW, loop_unroll_factor=UNROLL):
+                kn = tl.minimum(k0 + BKW, KW - BKW)  # the last step re-reads its own words (cache hits)
+                ws_n, ss_n = _load_tiles(w_e, s_e, row0s, row_stride, srow_stride, kn, BN, BKW, R)
+                accs = _packed_step(accs, ws, ss, base, (k0 + kw) * 8, R, INTERPRET, PAIRED)
+                ws = ws_n
+                ss = ss_n
+        else:
+            accs = _packed_step(accs, ws, ss, base, kw * 8, R, INTERPRET, PAIRED)
+            for k0 in tl.range(BKW, KW, BKW, loop_unroll_factor=UNROLL):
+                ws, ss = _load_tiles(w_e, s_e, row0s, row_stride, srow_stride, k0, BN, BKW, R)
+                accs = _packed_step(accs, ws, ss, base, (k0 + kw) * 8, R, INTERPRET, PAIRED)
     elif PREFETCH:
         xs = _load_x(x_ptr, x_offs, valid, kw * 8, NT)
         for k0 in tl.range(0, KW, BKW, loop_unroll_factor=UNROLL):
             kn = tl.minimum(k0 + BKW, KW - BKW)  # the last step re-reads its own words (cache hits)
             ws_n, ss_n = _load_tiles(w_e, s_e, row0s, row_stride, srow_stride, kn, BN, BKW, R)
             xs_n = _load_x(x_ptr, x_offs, valid, (kn + kw) * 8, NT)
-            cs, scs = _decode(ws, ss, R)
+            cs, scs = _decode(ws, ss, R, PAIRED)
             accs = _fma_tokens(accs, cs, scs, xs, x_ptr, x_offs, kw, valid, NT, R, SKIP, True)
             ws = ws_n
             ss = ss_n
             xs = xs_n
     else:
-        cs, scs = _decode(ws, ss, R)
+        cs, scs = _decode(ws, ss, R, PAIRED)
         accs = _fma_tokens(accs, cs, scs, (), x_ptr, x_offs, kw * 8, valid, NT, R, SKIP, False)
         for k0 in tl.range(BKW, KW, BKW, loop_unroll_factor=UNROLL):
             ws, ss = _load_tiles(w_e, s_e, row0s, row_stride, srow_stride, k0, BN, BKW, R)
-            cs, scs = _decode(ws, ss, R)
+            cs, scs = _decode(ws, ss, R, PAIRED)
             accs = _fma_tokens(accs, cs, scs, (), x_ptr, x_offs, (k0 + kw) * 8, valid, NT, R, SKIP, False)
     return accs
 
@@ -341,6 +392,7 @@ def mxfp4_moe_stage1_kernel(
     BN: tl.constexpr, RS: tl.constexpr, BKW: tl.constexpr, UNROLL: tl.constexpr,
     NT: tl.constexpr, K_PAD: tl.constexpr, S_PAD: tl.constexpr, DEDUPE: tl.constexpr, PREFETCH: tl.constexpr,
     PACKED: tl.constexpr = False, INTERPRET: tl.constexpr = False, PDL: tl.constexpr = False,
+    PAIRED: tl.constexpr = False,
 ):
     s = tl.program_id(0)  # slot t*K + k
     nb = tl.program_id(1)  # block of RS*BN gate rows (and the matching up rows)
@@ -365,7 +417,7 @@ def mxfp4_moe_stage1_kernel(
         for r in tl.static_range(R):
             row0s = row0s + (nb * (RS * BN) + (r // 2) * BN + (r % 2) * I,)  # even r: gate rows, odd r: up rows
         accs = _stream(_zeros(NT * R, BN, BKW), w_e, s_e, row0s, HW, HG, HW, x_ptr, x_offs, valid,
-                       BN, BKW, R, NT, DEDUPE, UNROLL, PREFETCH, False, PACKED, INTERPRET)
+                       BN, BKW, R, NT, DEDUPE, UNROLL, PREFETCH, False, PACKED, INTERPRET, PAIRED)
         lim = tl.where(limit > 0, limit, float("inf"))
         for t in tl.static_range(NT):
             out = act_ptr + slots[t] * I + nb * (RS * BN) + sub
@@ -384,6 +436,7 @@ def mxfp4_moe_stage2_kernel(
     BN: tl.constexpr, RS: tl.constexpr, BKW: tl.constexpr, UNROLL: tl.constexpr,
     NT: tl.constexpr, K_PAD: tl.constexpr, S_PAD: tl.constexpr, DEDUPE: tl.constexpr, PREFETCH: tl.constexpr,
     PACKED: tl.constexpr = False, INTERPRET: tl.constexpr = False, PDL: tl.constexpr = False,
+    PAIRED: tl.constexpr = False,
 ):
     """With PDL, the expert ids (written by the router, two or more kernels back) and the first step's
     weights are read before pdl_wait: the down weights start streaming during stage 1's tail."""
@@ -409,7 +462,7 @@ def mxfp4_moe_stage2_kernel(
         for r in tl.static_range(RS):
             row0s = row0s + (nb * (RS * BN) + r * BN,)
         accs = _stream(_zeros(NT * RS, BN, BKW), w_e, s_e, row0s, IW, IG, IW, act_ptr, a_offs, valid,
-                       BN, BKW, RS, NT, DEDUPE, UNROLL, PREFETCH, PDL, PACKED, INTERPRET)
+                       BN, BKW, RS, NT, DEDUPE, UNROLL, PREFETCH, PDL, PACKED, INTERPRET, PAIRED)
         for t in tl.static_range(NT):
             out = part_ptr + slots[t] * H + rows
             for r in tl.static_range(RS):
@@ -517,6 +570,7 @@ def mxfp4_moe(
     join: Callable[[], None] | None = None,  # called before the launch that reads `add` (side stream)
     workspace: MoeWorkspace | None = None,
     config: MoeConfig | None = None,
+    paired: bool = False,  # w13 and w2 in paired word order (kernels/mxfp4_layout.py)
 ) -> torch.Tensor:
     """Routed MXFP4 experts for T tokens: sum_k w[t,k] * down_e(swiglu_L(gate_e x_t, up_e x_t)) -> bf16 [T, H].
 
@@ -550,7 +604,7 @@ def mxfp4_moe(
     assert ws.part.dtype == torch.float32 and ws.part.numel() >= T * K * H
     assert ws.count.dtype == torch.int32 and ws.count.numel() >= H // (cfg.bn2 * cfg.rs2)
 
-    launch = _plan(T, K, H, inter, cfg)
+    launch = _plan(T, K, H, inter, cfg, paired)
     w13_i32, w2_i32 = w13.view(torch.int32), w2.view(torch.int32)
     launch.stage1(x, topk_ids, topk_weights, w13_i32, w13_scale, ws.act, float(swiglu_limit))
     if join is not None:
@@ -578,17 +632,46 @@ class _Plan:
                                             HAS_ADD=add is not None, **self.meta2, **pdl_args(act.device))
 
 
-def _plan(T: int, K: int, H: int, inter: int, cfg: MoeConfig) -> _Plan:
+def _plan(T: int, K: int, H: int, inter: int, cfg: MoeConfig, paired: bool = False) -> _Plan:
     dedupe = cfg.dedupe and T > 1
     bn1, bkw1 = _fit(cfg.bn1, inter), max(4, _fit(cfg.bkw1, H // 8))
     bn2, bkw2 = _fit(cfg.bn2, H), max(4, _fit(cfg.bkw2, inter // 8))
     rs1, rs2 = _fit(cfg.rs1, inter // bn1), _fit(cfg.rs2, H // bn2)
     assert not (cfg.packed and dedupe), "packed products serve one token per program: use dedupe=False"
     common = dict(T=T, K=K, H=H, I=inter, NT=_pow2(T) if dedupe else 1, K_PAD=_pow2(K), S_PAD=_pow2(T * K),
-                  DEDUPE=dedupe, PREFETCH=cfg.prefetch, PACKED=cfg.packed, INTERPRET=_interpreting())
+                  DEDUPE=dedupe, PREFETCH=cfg.prefetch, PACKED=cfg.packed, INTERPRET=_interpreting(), PAIRED=paired)
     return _Plan(
         grid1=(T * K, inter // (bn1 * rs1)),
         grid2=(H // (bn2 * rs2), T * K),
         meta1=dict(common, BN=bn1, RS=rs1, BKW=bkw1, UNROLL=cfg.unroll1, num_warps=cfg.warps1),
         meta2=dict(common, BN=bn2, RS=rs2, BKW=bkw2, UNROLL=cfg.unroll2, num_warps=cfg.warps2),
     )
+
+
+@triton.jit
+def permute_words_kernel(src_ptr, dst_ptr, n, INVERSE: tl.constexpr, BLOCK: tl.constexpr):
+    """Each int32 word of 8 E2M1 codes into paired order or back (kernels/mxfp4_layout.py, MOVES)."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n
+    w = tl.load(src_ptr + offs, mask=m, other=0).to(tl.int64) & 0xFFFFFFFF
+    if INVERSE:
+        v = (((w & 0x00380038) << 5) | ((w & 0x00070007) << 4) | ((w & 0x0C000C00) << 2)
+             | ((w & 0x60006000) << 1) | ((w & 0x10001000) >> 1) | ((w & 0x02000200) >> 2)
+             | ((w & 0x01C001C0) >> 6) | ((w & 0x80008000) >> 12))
+    else:
+        v = (((w & 0x07000700) >> 5) | ((w & 0x00700070) >> 4) | ((w & 0x30003000) >> 2)
+             | ((w & 0xC000C000) >> 1) | ((w & 0x08000800) << 1) | ((w & 0x00800080) << 2)
+             | ((w & 0x00070007) << 6) | ((w & 0x00080008) << 12))
+    tl.store(dst_ptr + offs, v.to(tl.uint32).to(tl.int32, bitcast=True), mask=m)
+
+
+def permute_words(src: torch.Tensor, dst: torch.Tensor, inverse: bool) -> torch.Tensor:
+    """MXFP4 bytes src -> dst (may be src: elementwise, in place is safe) in paired order, or back to the
+    checkpoint's with `inverse`. Use kernels/mxfp4_layout.py's permute_words_ / unpair_words."""
+    assert src.dtype == dst.dtype == torch.uint8 and src.shape == dst.shape
+    assert src.is_contiguous() and dst.is_contiguous() and src.shape[-1] % 4 == 0
+    n = src.numel() // 4
+    block = 1024
+    permute_words_kernel[(triton.cdiv(n, block),)](src.view(torch.int32), dst.view(torch.int32), n,
+                                                   INVERSE=inverse, BLOCK=block)
+    return dst

@@ -87,7 +87,8 @@ class Experts(nn.Module):
     """Routed experts of one layer, stacked: w13 = [gate; up] rows, w2 = down.
 
     Plain: w13 [E, 2I, H], w2 [E, H, I]. MXFP4: w13 uint8 [E, 2I, H/2] + w13_scale uint8 [E, 2I, H/32],
-    w2 uint8 [E, H, I/2] + w2_scale uint8 [E, H, I/32].
+    w2 uint8 [E, H, I/2] + w2_scale uint8 [E, H, I/32]. `paired`: the MXFP4 words are in the decode
+    kernels' order (kernels/mxfp4_layout.py), set by use_paired_words().
     """
 
     def __init__(self, experts: int, hidden: int, inter: int, limit: float = 0.0) -> None:
@@ -97,6 +98,7 @@ class Experts(nn.Module):
         self.w2: torch.Tensor | None = None
         self.w13_scale: torch.Tensor | None = None
         self.w2_scale: torch.Tensor | None = None
+        self.paired = False
         self.cache_dense = False  # keep dequantized experts (CPU: small models run much faster)
         self._dense: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -111,13 +113,30 @@ class Experts(nn.Module):
             return cached
         if not self.is_mxfp4:
             return self.w13[e].to(dtype), self.w2[e].to(dtype)
+        from sparkchat.engine.kernels.mxfp4_layout import unpair_words
         from sparkchat.engine.quant import dequant_mxfp4
 
-        pair = (dequant_mxfp4(self.w13[e], self.w13_scale[e], dtype=dtype),
-                dequant_mxfp4(self.w2[e], self.w2_scale[e], dtype=dtype))
+        w13, w2 = (unpair_words(self.w13[e]), unpair_words(self.w2[e])) if self.paired else (self.w13[e], self.w2[e])
+        pair = (dequant_mxfp4(w13, self.w13_scale[e], dtype=dtype),
+                dequant_mxfp4(w2, self.w2_scale[e], dtype=dtype))
         if self.cache_dense:
             self._dense[e] = pair
         return pair
+
+    def use_paired_words(self, on: bool = True) -> None:
+        """Put the MXFP4 words in the decode kernels' paired order (or back to the checkpoint's), in
+        place; nothing to do when they already are."""
+        if on == self.paired or not self.is_mxfp4:
+            return
+        from sparkchat.engine.kernels.mxfp4_layout import permute_words_
+
+        for w in (self.w13, self.w2):
+            if w.is_cuda:
+                permute_words_(w, inverse=not on)  # one Triton pass, in place
+            else:
+                for e in range(w.shape[0]):  # an expert at a time: the CPU twin's temporaries stay small
+                    permute_words_(w[e], inverse=not on)
+        self.paired = on
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Dequantize-then-matmul over the distinct selected experts (the baseline and the oracle)."""
