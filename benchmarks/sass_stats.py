@@ -119,7 +119,7 @@ def router_sass(arch: int) -> list[str] | None:
     from sparkchat.engine.kernels import router as r
 
     sig = {"logits_ptr": "*fp32", "bias_ptr": "*fp32", "ids_ptr": "*i64", "w_ptr": "*fp32", "scaling": "fp32"}
-    cx = dict(E=E, G=8, TG=4, K=K, KP=8, RENORM=True, T=1, SPLIT=10, PDL=True, PREFETCH=r.ROUTE_PREFETCH)
+    cx = dict(E=E, G=8, TG=4, K=K, KP=8, RENORM=True, T=1, SPLIT=10, PDL=True)
     return compile_sass(r.route_kernel, sig, cx, r.ROUTE_WARPS, arch)
 
 

@@ -80,3 +80,44 @@ print("ok")
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed (CPU-only CI)")
 def test_router_kernel_ties_and_split_tokens():
     run_script(TIES_SCRIPT)
+
+
+LANE_TIES_SCRIPT = """
+import torch
+from sparkchat.engine.kernels.router import route
+dev = "cuda" if torch.cuda.is_available() else "cpu"
+torch.manual_seed(2)
+E, G, TG, K, H = 512, 8, 4, 8, 64
+
+
+def expected(b):
+    # zero weights: every logit is 0, every score 0.5 + bias (exact in fp32): the tie rules decide
+    c = (0.5 + b).cpu().tolist()
+    gs = [sum(sorted(c[g * (E // G):(g + 1) * (E // G)])[-2:]) for g in range(G)]
+    groups = sorted(range(G), key=lambda g: (-gs[g], g))[:TG]
+    cand = [e for e in range(E) if e // (E // G) in groups]
+    return sorted(cand, key=lambda e: (-c[e], e))[:K]
+
+
+# ties inside a lane's 16 experts, between lanes' bests, between groups; all experts equal; one winner
+# per lane (the first K lanes' 4 consecutive experts share a score)
+biases = [torch.zeros(E), torch.randint(0, 3, (E,)).float() * 0.25, torch.randint(0, 2, (E,)).float() * 0.5]
+lanes = torch.zeros(E)
+lanes[torch.arange(K)[:, None] * 4 + torch.arange(4)] = 1.0
+biases.append(lanes)
+for b in biases:
+    b = b.to(dev)
+    for dtype in (torch.float32, torch.bfloat16):  # the torch matmul and the split-K GEMV paths
+        x = torch.randn(2, H, device=dev).to(dtype)
+        ids, w = route(x, torch.zeros(E, H, device=dev), b, G, TG, K, 2.5, True)
+        want = torch.tensor(expected(b), device=dev)
+        assert torch.equal(ids[0], want) and torch.equal(ids[1], want), (ids, want)
+        assert torch.allclose(w, torch.full_like(w, 2.5 / K)), w
+print("ok")
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed (CPU-only CI)")
+def test_router_kernel_lane_best_ties():
+    """Exact ids where only the tie rule decides: the per-lane bests must hand over the lowest index."""
+    run_script(LANE_TIES_SCRIPT)

@@ -24,7 +24,7 @@ several tokens is fetched from HBM once and re-read from L2.
 Layout: weight words and their per-word scale bytes are loaded flat and reshaped to [rows, words] with
 lanes along the words (one 128-byte line per warp load) and rows in registers, so each activation
 value is loaded once per thread and reused across its rows. Configs: MoeConfig / moe_config; the
-`prefetch` option software-pipelines the k loop by one step (tested, not yet timed on a GPU).
+`prefetch` option software-pipelines the k loop by one step (each step's words are loaded a step ahead).
 """
 
 from __future__ import annotations
@@ -499,13 +499,14 @@ class MoeConfig:
     unroll2: int = 1
     warps2: int = 4
     dedupe: bool = True
-    prefetch: bool = False  # one-step software pipelining of the k loop (not yet measured on a GPU)
+    prefetch: bool = False  # one-step software pipelining of the k loop
     packed: bool = False  # bf16x2 products (_WORD_DOT_ASM); one token per program, so not with dedupe
 
 
 # Best measured on the H200 at the Ling-3.0-flash shape (H=2560, I=768, K=8); see docs/benchmarks.md.
 _TUNED: dict[tuple[int, int, int], MoeConfig] = {
-    (1, 2560, 768): MoeConfig(bn1=16, rs1=1, bkw1=64, unroll1=2, warps1=4, bn2=32, rs2=1, bkw2=32, warps2=4),
+    (1, 2560, 768): MoeConfig(bn1=16, rs1=1, bkw1=64, unroll1=2, warps1=4, bn2=32, rs2=1, bkw2=32, warps2=4,
+                              prefetch=True),
     (4, 2560, 768): MoeConfig(bn1=4, rs1=1, bkw1=32, unroll1=2, warps1=1, bn2=8, rs2=1, bkw2=32, warps2=1,
                               dedupe=False),
 }

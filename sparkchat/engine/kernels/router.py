@@ -4,9 +4,17 @@ The router logits come from one split-K GEMV (`plain_gemv_partials`, fp32 sums o
 this kernel adds its partials in a fixed order and does everything after — sigmoid, expert bias, each
 group's top-2 sum, the top groups, the top-k experts inside them, renormalization and scaling — in
 registers: two launches per MoE layer where the torch path takes a dozen (two sorts among them).
-Latency-bound (one warp, serial picks): each pick is an int32 max of order-preserving score bits and an
-int32 min of the index holding it (one warp instruction each, REDUX), not an fp32 argmax (shuffles);
-the weights are the picked experts' scores recomputed from their reloaded logits after the picks.
+Latency-bound (one warp, one token: a chain of dependent steps), so each step is shaped for a short chain:
+- the top groups in one step: a group is kept when fewer than TG groups beat it (all pairs compared
+  at once), not TG dependent picks;
+- each expert pick is an int32 max of order-preserving score bits and an int32 min of the index
+  holding it (one warp instruction each, REDUX, not an fp32 argmax's shuffles), over per-lane bests:
+  every lane keeps the best of its own 16 candidates and the index holding it, so a pick reduces 32
+  lane bests and only then refreshes them (the winner's lane changed), the index search of that
+  refresh off the next pick's chain;
+- the weights are the picked experts' scores recomputed from their reloaded logits after the picks
+  (L1 hits): carrying each pick's score (a third reduction per pick) or reloading it per pick came out
+  longer in the SASS (more instructions, ptxas serializing the picks' compares).
 """
 
 from __future__ import annotations
@@ -42,6 +50,11 @@ def route_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, scaling,
     t = tl.program_id(0)
     pdl_wait(PDL)
     GS: tl.constexpr = E // G
+    # [E] as [R, L, V]: V consecutive experts per lane (the loads' 16-byte vectors), L lanes, R repeats,
+    # so that axes 0 and 2 are inside a thread: a lane's candidates reduce without data movement
+    V: tl.constexpr = 4 if E >= 128 else (E // 32 if E >= 32 else 1)
+    L: tl.constexpr = E // V if E // V < 32 else 32
+    R: tl.constexpr = E // (L * V)
     ar = tl.arange(0, E)
     logit = tl.load(logits_ptr + t * E + ar)
     for p in tl.static_range(1, SPLIT):  # the GEMV's split-K partial sums, added in a fixed order
@@ -50,22 +63,32 @@ def route_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, scaling,
     c2 = tl.reshape(c, (G, GS))
     # each group's two best in one reduction of (best, second) pairs: no argmax and no second pass
     best, second = tl.reduce((c2, tl.full(c2.shape, float("-inf"), tl.float32)), 1, _top2)
-    # every selection below is a max of ordered int32 scores, then the lowest index holding it
-    # (tl.argmax's and the twin's tie rule); chosen and excluded entries drop to INT32_MIN, below any score
+    # the top groups at once: g is kept when fewer than TG groups beat it (a higher score, or an equal
+    # one at a lower index: tl.argmax's and the twin's tie rule), all G x G pairs compared in parallel
     gr = tl.arange(0, G)
     gs = _ordered(best + second)  # [G]
-    keep = gr < 0
-    for _ in tl.static_range(TG):
-        gi = tl.min(tl.where(gs == tl.max(gs, axis=0), gr, G), axis=0)
-        keep = keep | (gr == gi)
-        gs = tl.where(gr == gi, -(2 ** 31), gs)
-    cand = tl.reshape(tl.where(keep[:, None], _ordered(c2), -(2 ** 31)), (E,))
+    beats = (gs[None, :] > gs[:, None]) | ((gs[None, :] == gs[:, None]) & (gr[None, :] < gr[:, None]))
+    keep = tl.sum(beats.to(tl.int32), axis=1) < TG
+    # chosen and excluded entries drop to INT32_MIN, below any score
+    cand = tl.reshape(tl.where(keep[:, None], _ordered(c2), -(2 ** 31)), (R, L, V))
+    idx = tl.reshape(ar, (R, L, V))
+    # each lane's best candidate and the lowest index holding it; a pick is the max of the lane bests,
+    # then the lowest index among the lanes holding that max (= the lowest index holding it overall)
+    lb = tl.max(tl.max(cand, axis=2), axis=0)  # [L]
+    lbi = tl.min(tl.min(tl.where(cand == lb[None, :, None], idx, E), axis=2), axis=0)
     kr = tl.arange(0, KP)
     ids = tl.zeros((KP,), dtype=tl.int32)
     for k in tl.static_range(K):
-        i = tl.min(tl.where(cand == tl.max(cand, axis=0), ar, E), axis=0)
-        ids = tl.where(kr == k, i, ids)
-        cand = tl.where(ar == i, -(2 ** 31), cand)
+        m = tl.max(lb, axis=0)
+        i = tl.min(tl.where(lb == m, lbi, E), axis=0)
+        # lane k takes i, the others keep theirs (i - E * |kr - k| < 0 <= ids): arithmetic, where a
+        # where(kr == k) per pick leaves ptxas K live predicates and serializes the picks' compares
+        ids = tl.maximum(ids, i - E * tl.abs(kr - k))
+        cand = tl.where(idx == i, -(2 ** 31), cand)
+        # only the winner's lane changed; its new best feeds the next max, the index search (off that
+        # chain) the next min
+        lb = tl.max(tl.max(cand, axis=2), axis=0)
+        lbi = tl.min(tl.min(tl.where(cand == lb[None, :, None], idx, E), axis=2), axis=0)
     # the weights: the chosen experts' logits reloaded (cache hits) and summed in the same order as above,
     # so bit-identical to their scores, instead of one more reduction (a masked sum) per pick
     kmask = kr < K
