@@ -37,7 +37,9 @@ bits go to bits 24:22 of an int32 and its sign to bit 31: read as fp32 that is t
 multiply by 2^(s-1) (E8M0 s, i.e. 2^(s-127) * 2^126, built from bits) gives the weight, then bf16
 (exact: 3 significant bits; pairs convert with one cvt.rn.bf16x2). Scales are exact for s <= 128
 (scales up to 2, |w| up to 12; a release's experts are far below: ~2^-9..2^-3); larger ones clamp to
-2; 255 (NaN) is not special-cased.
+2; 255 (NaN) is not special-cased. On the engine's paired words (kernels/mxfp4_layout.py) `_decode_paired`
+reads int32 words, takes each code pair with a shift and a mask, and joins the 8 codes back into input
+order: fewer integer ops than the byte decode, 7-19% faster at 512-8192 tokens on the H200.
 
 Numerics against the dequantize-then-matmul oracle (Experts.forward): the same products, with fp32
 accumulation; gate/up stay fp32 through the SwiGLU (the oracle rounds them to bf16), the SwiGLU output

@@ -14,6 +14,8 @@ kernels never flush them). Activations are pre-multiplied by 2^100 so the produc
 the 2^(126-100) goes into the E8M0 scale, applied once per word. About 3 integer ops per weight.
 PACKED (the default wherever a program serves one token): the pairs stay bf16x2 and are multiplied by
 bf16x2 activations in one PTX block per word (_WORD_DOT_ASM), no fp32 unpacking.
+PAIRED: the words were permuted at load (kernels/mxfp4_layout.py) so that three of the four code pairs
+are one shift and one mask (_unpack8_paired, _WORD_DOT_PAIRED_ASM): same products, fewer instructions.
 
 DEDUPE (T > 1): a slot whose expert already appears at an earlier slot does nothing; the first slot of
 each distinct expert computes every token that chose it (skipping the others at run time), so each
@@ -307,8 +309,9 @@ def _stream(accs, w_e, s_e, row0s, row_stride, srow_stride, KW: tl.constexpr, x_
             BN: tl.constexpr, BKW: tl.constexpr, R: tl.constexpr, NT: tl.constexpr, SKIP: tl.constexpr,
             UNROLL: tl.constexpr, PREFETCH: tl.constexpr, WAIT: tl.constexpr, PACKED: tl.constexpr,
             INTERPRET: tl.constexpr, PAIRED: tl.constexpr):
-    """The k loop over KW words per row. PACKED: products in bf16x2 (_word_dot; one token only). PREFETCH: software-pipelined by one step (step k+1's weight,
-    scale and activation loads are issued before step k is decoded and multiplied). WAIT: pdl_wait
+    """The k loop over KW words per row. PACKED: products in bf16x2 (_word_dot; one token only).
+    PREFETCH: software-pipelined by one step (step k+1's weight and scale loads, and without PACKED its
+    activation loads, are issued before step k is decoded and multiplied). WAIT: pdl_wait
     between the first step's weight loads and its first activation load (kernels/pdl.py). PAIRED: the
     words are in paired order (kernels/mxfp4_layout.py)."""
     kw = _perm4(tl.arange(0, BKW))
