@@ -94,13 +94,14 @@ _STAGE2_SIG = {"act_ptr": "*fp32", "ids_ptr": "*i32", "w2_ptr": "*i32", "s2_ptr"
                "cnt_ptr": "*i32", "y_ptr": "*bf16", "add_ptr": "*bf16"}
 
 
-def moe_loop(T: int, stage: int, packed: bool, arch: int, paired: bool = False) -> tuple[list[str] | None, float]:
+def moe_loop(T: int, stage: int, packed: bool, arch: int, paired: bool = False,
+             packed_act: bool = False) -> tuple[list[str] | None, float]:
     """(k-loop SASS or None, weights a thread streams per loop iteration) of one mxfp4_moe stage with
     the tuned config for T tokens, products packed (bf16x2) or not, words in checkpoint or paired order."""
     from sparkchat.engine.kernels import mxfp4_moe as m
 
     base = m.moe_config(T, H, INTER)
-    cfg = replace(base, packed=packed, dedupe=base.dedupe and not packed)
+    cfg = replace(base, packed=packed, dedupe=base.dedupe and not packed, packed_act=packed_act)
     plan = m._plan(T, K, H, INTER, cfg, paired)
     if stage == 1:
         fn, sig, meta, rows, bkw, unroll = (m.mxfp4_moe_stage1_kernel, _STAGE1_SIG, plan.meta1,
@@ -164,10 +165,12 @@ def main() -> None:
     for arch in args.arch or [90]:
         print(f"sm_{arch}:")
         for T in (1, 4):
-            for packed, paired in ((False, False), (True, False), (True, True)):
-                for stage in (1, 2):
-                    body, weights = moe_loop(T, stage, packed, arch, paired)
+            for packed, paired, act in ((False, False, False), (True, False, False), (True, True, False),
+                                        (True, True, True)):
+                for stage in (1, 2) if not act else (2,):
+                    body, weights = moe_loop(T, stage, packed, arch, paired, act)
                     kind = ("bf16x2" if packed else "fp32 FMA") + (", paired words" if paired else "")
+                    kind += ", packed act" if act else ""
                     report(f"mxfp4_moe T={T} stage {stage} {kind} (k loop)", body, weights)
         report("route_kernel (whole kernel, one warp)", router_sass(arch))
         kernel, weights = mma_gemv(arch)

@@ -6,6 +6,7 @@ Reading paired words must give bit-identical results: the same codes, products a
 from __future__ import annotations
 
 import importlib.util
+from dataclasses import replace
 
 import pytest
 import torch
@@ -109,18 +110,22 @@ def run_kernels(device: str) -> None:
     if big:
         cases = [(T, r, replace_cfg) for T, r in ((1, 0), (4, 0), (4, 4)) for replace_cfg in
                  (None, dict(dedupe=True, packed=False), dict(dedupe=False, packed=False, prefetch=True),
-                  dict(dedupe=False, packed=True, prefetch=True))]
+                  dict(dedupe=False, packed=True, prefetch=True), dict(dedupe=False, packed=True, packed_act=True))]
     else:
         small = dict(bn1=4, rs1=2, bkw1=8, bn2=8, rs2=2, bkw2=4)
         cases = [(T, r, dict(small, dedupe=d, prefetch=f, packed=p)) for T, r, d, f, p in
                  [(1, 0, True, False, False), (3, 2, True, True, False), (1, 0, False, False, True),
                   (3, 2, False, False, True), (2, 1, False, True, False), (1, 0, False, True, True),
                   (3, 2, False, True, True)]]
+        # stage 1 writing act as stage 2's bf16x2 words: the same bits as stage 2 packing it
+        cases += [(T, r, dict(small, dedupe=False, packed=True, packed_act=True, bn1=b1)) for T, r, b1 in
+                  [(1, 0, 4), (3, 2, 8), (2, 1, 16)]]
     for T, repeat, over in cases:
         ids, wts = (t.to(device) for t in make_routing(T, K, E, repeat, gen))
         x = (torch.randn(T, H, generator=gen) * 2).bfloat16().to(device)
         cfg = None if over is None else MoeConfig(**{**moe_config(T, H, I).__dict__, **over})
-        a = mxfp4_moe(x, ids, wts, w13, s13, w2, s2, 4.0, config=cfg)
+        plain = None if cfg is None else replace(cfg, packed_act=False)
+        a = mxfp4_moe(x, ids, wts, w13, s13, w2, s2, 4.0, config=plain)
         b = mxfp4_moe(x, ids, wts, p13, s13, p2, s2, 4.0, config=cfg, paired=True)
         assert torch.equal(a, b), (T, repeat, over)
         assert rel_err(a, ref.mxfp4_moe_reference(x, ids, wts, w13, s13, w2, s2, 4.0)) < 1e-2, (T, repeat, over)

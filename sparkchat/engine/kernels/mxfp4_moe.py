@@ -168,20 +168,29 @@ def _bf16_round(v):
 
 
 @triton.jit
-def _pack_x(base, offs, INTERPRET: tl.constexpr):
+def _pack_x(base, offs, INTERPRET: tl.constexpr, XPACKED: tl.constexpr = False):
     """The 8 activations of each word column at base + offs (offs = 8 * word) as 4 bf16x2 int32 [BKW]:
     x[i] * 2^100 in the low half, x[i + 4] * 2^100 in the high half. The interpreter gets the scaled
-    values as 8 fp32 [BKW], rounded to bf16, instead."""
+    values as 8 fp32 [BKW], rounded to bf16, instead. XPACKED: base points at int32 words already in
+    that form (stage 1's packed act, _store_act_packed), 4 per column: just loaded."""
     out = ()
-    for i in tl.static_range(4):
-        lo = tl.load(base + offs + i).to(tl.float32) * _X_SCALE
-        hi = tl.load(base + offs + i + 4).to(tl.float32) * _X_SCALE
-        if INTERPRET:
-            out = out + (_bf16_round(lo), _bf16_round(hi))
-        else:
-            lo16 = lo.to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-            hi16 = hi.to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32)
-            out = out + ((hi16 << 16) | lo16,)
+    if XPACKED:
+        for i in tl.static_range(4):
+            w = tl.load(base + offs // 2 + i)
+            if INTERPRET:
+                out = out + ((w << 16).to(tl.float32, bitcast=True), (w & _HI16).to(tl.float32, bitcast=True))
+            else:
+                out = out + (w,)
+    else:
+        for i in tl.static_range(4):
+            lo = tl.load(base + offs + i).to(tl.float32) * _X_SCALE
+            hi = tl.load(base + offs + i + 4).to(tl.float32) * _X_SCALE
+            if INTERPRET:
+                out = out + (_bf16_round(lo), _bf16_round(hi))
+            else:
+                lo16 = lo.to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+                hi16 = hi.to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32)
+                out = out + ((hi16 << 16) | lo16,)
     return out
 
 
@@ -210,13 +219,26 @@ def _word_dot(w, xp, INTERPRET: tl.constexpr, PAIRED: tl.constexpr):
 
 
 @triton.jit
-def _packed_step(accs, ws, ss, base, offs, R: tl.constexpr, INTERPRET: tl.constexpr, PAIRED: tl.constexpr):
+def _packed_step(accs, ws, ss, base, offs, R: tl.constexpr, INTERPRET: tl.constexpr, PAIRED: tl.constexpr,
+                 XPACKED: tl.constexpr):
     """accs[r] += scale * (word tile r . activations at base + offs), products in bf16x2."""
-    xp = _pack_x(base, offs, INTERPRET)
+    xp = _pack_x(base, offs, INTERPRET, XPACKED)
     new = ()
     for r in tl.static_range(R):
         new = new + (accs[r] + _word_dot(ws[r], xp, INTERPRET, PAIRED) * _e8m0_scale(ss[r]),)
     return new
+
+
+@triton.jit
+def _store_act_packed(base, rows, v, mask, INTERPRET: tl.constexpr):
+    """Stage 1's act rows for a PACKED stage 2: v * 2^100 rounded to bf16, row 8j + q stored at
+    8j + 2(q % 4) + q // 4, so that stage 2 reads each int32 at 8j + 2i as the bf16x2 (act[8j + i],
+    act[8j + i + 4]) its _pack_x would build — half the bytes, no conversions in its k loop."""
+    dest = (rows // 8) * 8 + (rows % 4) * 2 + (rows % 8) // 4
+    v = v * _X_SCALE
+    if INTERPRET:
+        v = _bf16_round(v)  # exact in bf16 now: the interpreter's truncating cast keeps it
+    tl.store(base + dest, v.to(tl.bfloat16), mask=mask)
 
 
 @triton.jit
@@ -308,12 +330,13 @@ def _decode(ws, ss, R: tl.constexpr, PAIRED: tl.constexpr):
 def _stream(accs, w_e, s_e, row0s, row_stride, srow_stride, KW: tl.constexpr, x_ptr, x_offs, valid,
             BN: tl.constexpr, BKW: tl.constexpr, R: tl.constexpr, NT: tl.constexpr, SKIP: tl.constexpr,
             UNROLL: tl.constexpr, PREFETCH: tl.constexpr, WAIT: tl.constexpr, PACKED: tl.constexpr,
-            INTERPRET: tl.constexpr, PAIRED: tl.constexpr):
+            INTERPRET: tl.constexpr, PAIRED: tl.constexpr, XPACKED: tl.constexpr = False):
     """The k loop over KW words per row. PACKED: products in bf16x2 (_word_dot; one token only).
     PREFETCH: software-pipelined by one step (step k+1's weight and scale loads, and without PACKED its
     activation loads, are issued before step k is decoded and multiplied). WAIT: pdl_wait
     between the first step's weight loads and its first activation load (kernels/pdl.py). PAIRED: the
-    words are in paired order (kernels/mxfp4_layout.py)."""
+    words are in paired order (kernels/mxfp4_layout.py). XPACKED (with PACKED): x_ptr holds int32 words
+    of bf16x2 activations (_pack_x)."""
     kw = _perm4(tl.arange(0, BKW))
     ws, ss = _load_tiles(w_e, s_e, row0s, row_stride, srow_stride, 0, BN, BKW, R)
     pdl_wait(WAIT)
@@ -323,14 +346,14 @@ def _stream(accs, w_e, s_e, row0s, row_stride, srow_stride, KW: tl.constexpr, x_
             for k0 in tl.range(0, KW, BKW, loop_unroll_factor=UNROLL):
                 kn = tl.minimum(k0 + BKW, KW - BKW)  # the last step re-reads its own words (cache hits)
                 ws_n, ss_n = _load_tiles(w_e, s_e, row0s, row_stride, srow_stride, kn, BN, BKW, R)
-                accs = _packed_step(accs, ws, ss, base, (k0 + kw) * 8, R, INTERPRET, PAIRED)
+                accs = _packed_step(accs, ws, ss, base, (k0 + kw) * 8, R, INTERPRET, PAIRED, XPACKED)
                 ws = ws_n
                 ss = ss_n
         else:
-            accs = _packed_step(accs, ws, ss, base, kw * 8, R, INTERPRET, PAIRED)
+            accs = _packed_step(accs, ws, ss, base, kw * 8, R, INTERPRET, PAIRED, XPACKED)
             for k0 in tl.range(BKW, KW, BKW, loop_unroll_factor=UNROLL):
                 ws, ss = _load_tiles(w_e, s_e, row0s, row_stride, srow_stride, k0, BN, BKW, R)
-                accs = _packed_step(accs, ws, ss, base, (k0 + kw) * 8, R, INTERPRET, PAIRED)
+                accs = _packed_step(accs, ws, ss, base, (k0 + kw) * 8, R, INTERPRET, PAIRED, XPACKED)
     elif PREFETCH:
         xs = _load_x(x_ptr, x_offs, valid, kw * 8, NT)
         for k0 in tl.range(0, KW, BKW, loop_unroll_factor=UNROLL):
@@ -395,8 +418,9 @@ def mxfp4_moe_stage1_kernel(
     BN: tl.constexpr, RS: tl.constexpr, BKW: tl.constexpr, UNROLL: tl.constexpr,
     NT: tl.constexpr, K_PAD: tl.constexpr, S_PAD: tl.constexpr, DEDUPE: tl.constexpr, PREFETCH: tl.constexpr,
     PACKED: tl.constexpr = False, INTERPRET: tl.constexpr = False, PDL: tl.constexpr = False,
-    PAIRED: tl.constexpr = False,
+    PAIRED: tl.constexpr = False, ACT_PACKED: tl.constexpr = False,
 ):
+    """ACT_PACKED: act_ptr is bf16, written as _store_act_packed lays it out for stage 2 (PACKED only)."""
     s = tl.program_id(0)  # slot t*K + k
     nb = tl.program_id(1)  # block of RS*BN gate rows (and the matching up rows)
     pdl_wait(PDL)  # the expert ids may come from the kernel just before: nothing to load earlier
@@ -429,7 +453,11 @@ def mxfp4_moe_stage1_kernel(
                 u = tl.sum(accs[t * R + 2 * rs + 1], axis=1)
                 a = tl.minimum(g / (1.0 + tl.exp(-g)), lim)  # silu, clamped above
                 u = tl.minimum(tl.maximum(u, -lim), lim)
-                tl.store(out + rs * BN, a * u * rws[t], mask=valid[t] & (sub >= 0))
+                if ACT_PACKED:
+                    _store_act_packed(act_ptr + slots[t] * I, nb * (RS * BN) + rs * BN + sub, a * u * rws[t],
+                                      valid[t] & (sub >= 0), INTERPRET)
+                else:
+                    tl.store(out + rs * BN, a * u * rws[t], mask=valid[t] & (sub >= 0))
 
 
 @triton.jit
@@ -439,10 +467,11 @@ def mxfp4_moe_stage2_kernel(
     BN: tl.constexpr, RS: tl.constexpr, BKW: tl.constexpr, UNROLL: tl.constexpr,
     NT: tl.constexpr, K_PAD: tl.constexpr, S_PAD: tl.constexpr, DEDUPE: tl.constexpr, PREFETCH: tl.constexpr,
     PACKED: tl.constexpr = False, INTERPRET: tl.constexpr = False, PDL: tl.constexpr = False,
-    PAIRED: tl.constexpr = False,
+    PAIRED: tl.constexpr = False, ACT_PACKED: tl.constexpr = False,
 ):
     """With PDL, the expert ids (written by the router, two or more kernels back) and the first step's
-    weights are read before pdl_wait: the down weights start streaming during stage 1's tail."""
+    weights are read before pdl_wait: the down weights start streaming during stage 1's tail.
+    ACT_PACKED: act_ptr is int32, stage 1's packed act (_store_act_packed)."""
     nb = tl.program_id(0)  # block of RS*BN output rows
     s = tl.program_id(1)  # slot t*K + k
     IW: tl.constexpr = I // 8
@@ -458,14 +487,14 @@ def mxfp4_moe_stage2_kernel(
         toks, slots, rws, valid = _slot_tokens(ids_ptr, ids_ptr, e, s, T, K, NT, K_PAD, DEDUPE)
         a_offs = ()
         for t in tl.static_range(NT):
-            a_offs = a_offs + (slots[t] * I,)
+            a_offs = a_offs + (slots[t] * (I // 2 if ACT_PACKED else I),)
         w_e = w2_ptr + e.to(tl.int64) * (H * IW)
         s_e = s2_ptr + e.to(tl.int64) * (H * IG)
         row0s = ()
         for r in tl.static_range(RS):
             row0s = row0s + (nb * (RS * BN) + r * BN,)
         accs = _stream(_zeros(NT * RS, BN, BKW), w_e, s_e, row0s, IW, IG, IW, act_ptr, a_offs, valid,
-                       BN, BKW, RS, NT, DEDUPE, UNROLL, PREFETCH, PDL, PACKED, INTERPRET, PAIRED)
+                       BN, BKW, RS, NT, DEDUPE, UNROLL, PREFETCH, PDL, PACKED, INTERPRET, PAIRED, ACT_PACKED)
         for t in tl.static_range(NT):
             out = part_ptr + slots[t] * H + rows
             for r in tl.static_range(RS):
@@ -504,6 +533,7 @@ class MoeConfig:
     dedupe: bool = True
     prefetch: bool = False  # one-step software pipelining of the k loop
     packed: bool = False  # bf16x2 products (_WORD_DOT_ASM); one token per program, so not with dedupe
+    packed_act: bool = False  # with packed: stage 1 writes act as stage 2's bf16x2 words (not yet timed)
 
 
 # Best measured on the H200 at the Ling-3.0-flash shape (H=2560, I=768, K=8); see docs/benchmarks.md.
@@ -522,7 +552,10 @@ def moe_config(T: int, H: int, I: int) -> MoeConfig:
     (`packed`) wherever a program serves one token; SPARKCHAT_MOE_PACKED=0 turns that off."""
     cfg = _TUNED.get((T, H, I)) or (MoeConfig() if T == 1 else MoeConfig(dedupe=False))
     one_token = T == 1 or not cfg.dedupe
-    return replace(cfg, packed=one_token and os.environ.get("SPARKCHAT_MOE_PACKED", "1") != "0")
+    packed = one_token and os.environ.get("SPARKCHAT_MOE_PACKED", "1") != "0"
+    # SPARKCHAT_MOE_PACKED_ACT=1 tries stage 1 writing packed activations (off until measured on a GPU)
+    return replace(cfg, packed=packed,
+                   packed_act=packed and os.environ.get("SPARKCHAT_MOE_PACKED_ACT", "0") == "1")
 
 
 @dataclass
@@ -629,9 +662,11 @@ class _Plan:
     meta2: dict
 
     def stage1(self, x, ids, rw, w13_i32, s13, act, limit: float) -> None:
+        act = act.view(torch.bfloat16) if self.meta1["ACT_PACKED"] else act  # the fp32 workspace, reused
         mxfp4_moe_stage1_kernel[self.grid1](x, ids, rw, w13_i32, s13, act, limit, **self.meta1, **pdl_args(x.device))
 
     def stage2(self, act, ids, w2_i32, s2, part, count, out, add=None) -> None:
+        act = act.view(torch.int32) if self.meta2["ACT_PACKED"] else act
         mxfp4_moe_stage2_kernel[self.grid2](act, ids, w2_i32, s2, part, count, out, out if add is None else add,
                                             HAS_ADD=add is not None, **self.meta2, **pdl_args(act.device))
 
@@ -642,8 +677,10 @@ def _plan(T: int, K: int, H: int, inter: int, cfg: MoeConfig, paired: bool = Fal
     bn2, bkw2 = _fit(cfg.bn2, H), max(4, _fit(cfg.bkw2, inter // 8))
     rs1, rs2 = _fit(cfg.rs1, inter // bn1), _fit(cfg.rs2, H // bn2)
     assert not (cfg.packed and dedupe), "packed products serve one token per program: use dedupe=False"
+    assert cfg.packed or not cfg.packed_act, "packed_act feeds the packed (bf16x2) stage 2"
     common = dict(T=T, K=K, H=H, I=inter, NT=_pow2(T) if dedupe else 1, K_PAD=_pow2(K), S_PAD=_pow2(T * K),
-                  DEDUPE=dedupe, PREFETCH=cfg.prefetch, PACKED=cfg.packed, INTERPRET=_interpreting(), PAIRED=paired)
+                  DEDUPE=dedupe, PREFETCH=cfg.prefetch, PACKED=cfg.packed, INTERPRET=_interpreting(), PAIRED=paired,
+                  ACT_PACKED=cfg.packed_act)
     return _Plan(
         grid1=(T * K, inter // (bn1 * rs1)),
         grid2=(H // (bn2 * rs2), T * K),
