@@ -5,9 +5,10 @@
 Each MoE k step turns every word column's 8 activations into 4 bf16x2 words (`_pack_x`: 8 loads, a
 scale by 2^100, bf16 conversions and packing). If the kernel before wrote them in that form — stage 1
 writing `act` for stage 2, the add+norm writing `x` for stage 1 — a column would be 4 int32 loads. This
-compiles a copy of kernels/mxfp4_moe.py whose `_pack_x` does just that (a probe: nothing writes such
-activations yet) and counts the k loops' sm_90 instructions per weight against the engine's, with the
-tuned configs on paired words. Result in docs/benchmarks.md (session 9).
+compiles a copy of kernels/mxfp4_moe.py whose `_pack_x` does just that for both stages and counts the
+k loops' sm_90 instructions per weight against the engine's, with the tuned configs on paired words.
+Stage 2's half has since been built (`MoeConfig.packed_act`, counted by sass_stats.py); stage 1's x,
+which the add+norm kernel would have to write, has not. Result in docs/benchmarks.md (session 9).
 """
 import importlib.util
 import sys

@@ -69,8 +69,9 @@ def permute_words_(words: torch.Tensor, inverse: bool = False) -> torch.Tensor:
         from sparkchat.engine.kernels.mxfp4_moe import permute_words
 
         permute_words(words, words, inverse=inverse)
-    else:
-        words.copy_(_permute(words, inverse=inverse))
+    else:  # the torch twin, a slice of rows at a time: its int64 temporaries stay small
+        for rows in words.view(-1, words.shape[-1]).split(4096):
+            rows.copy_(_permute(rows, inverse=inverse))
     return words
 
 

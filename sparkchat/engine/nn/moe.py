@@ -131,11 +131,7 @@ class Experts(nn.Module):
         from sparkchat.engine.kernels.mxfp4_layout import permute_words_
 
         for w in (self.w13, self.w2):
-            if w.is_cuda:
-                permute_words_(w, inverse=not on)  # one Triton pass, in place
-            else:
-                for e in range(w.shape[0]):  # an expert at a time: the CPU twin's temporaries stay small
-                    permute_words_(w[e], inverse=not on)
+            permute_words_(w, inverse=not on)
         self.paired = on
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
