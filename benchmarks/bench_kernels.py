@@ -186,7 +186,7 @@ def bench_moe(rec: Recorder, layer, sweep: bool) -> dict:
           replace(d, packed=True, bn1=8, warps1=2, bn2=16, warps2=2),
           replace(d, packed=True, bkw1=32, unroll1=2, bn1=32, warps1=4, bkw2=32, bn2=32, warps2=4),
           replace(d, packed=True, bn1=8, rs1=2, bkw1=64, warps1=4, bn2=32, rs2=1, bkw2=16, warps2=4),
-          replace(d, packed=True, packed_act=True)]  # stage 1 writing stage 2's bf16x2 activation words
+          replace(d, packed_act=not d.packed_act)]  # stage 1 writing stage 2's bf16x2 activation words or not
     if sweep:  # wider k steps over fewer rows (what won for the FP8 GEMVs), fewer warps
         c1 += [MoeConfig(rs1=1, unroll1=2, prefetch=True),
                MoeConfig(bn1=8, rs1=1, bkw1=64, warps1=2, bn2=8, rs2=1, bkw2=32, warps2=2),
@@ -197,11 +197,11 @@ def bench_moe(rec: Recorder, layer, sweep: bool) -> dict:
                MoeConfig(bn1=4, rs1=2, bkw1=64, warps1=2, bn2=4, rs2=2, bkw2=32, warps2=1),
                MoeConfig(bn1=8, rs1=1, bkw1=64, warps1=2, bn2=8, rs2=1, bkw2=32, warps2=2, prefetch=True)]
     # sweep candidates serve one token per program (T=1, or no dedupe): bf16x2 products, as the engine runs them
-    c1 = c1[:6] + [replace(c, packed=True) for c in c1[6:]]
+    c1 = c1[:6] + [replace(c, packed=True, packed_act=d.packed_act) for c in c1[6:]]
     case(1, 0, 16, "T=1 (8 experts)", c1, baseline=True)
     d4 = moe_config(4, H, INTER)
     c4 = [d4, replace(d4, packed=not d4.packed), MoeConfig(dedupe=False, prefetch=True),
-          MoeConfig(rs1=1, rs2=1, dedupe=True), replace(d4, packed=True, packed_act=True)]
+          MoeConfig(rs1=1, rs2=1, dedupe=True), replace(d4, packed_act=not d4.packed_act)]
     if sweep:
         c4 += [MoeConfig(bn1=8, rs1=1, bkw1=64, warps1=2, bn2=8, rs2=1, bkw2=32, warps2=2, dedupe=False),
                MoeConfig(bn1=8, rs1=1, bkw1=128, warps1=4, bn2=8, rs2=1, bkw2=32, warps2=2, dedupe=False),
@@ -211,7 +211,7 @@ def bench_moe(rec: Recorder, layer, sweep: bool) -> dict:
                MoeConfig(bn1=4, rs1=1, bkw1=32, unroll1=2, warps1=1, bn2=8, rs2=1, bkw2=32, warps2=1, dedupe=False),
                MoeConfig(bn1=4, rs1=2, bkw1=64, warps1=2, bn2=4, rs2=1, bkw2=32, warps2=1, dedupe=False),
                MoeConfig(bn1=4, rs1=1, bkw1=64, unroll1=2, warps1=1, bn2=16, rs2=1, bkw2=32, warps2=2, dedupe=False)]
-    c4 = c4[:5] + [replace(c, packed=not c.dedupe) for c in c4[5:]]
+    c4 = c4[:5] + [replace(c, packed=not c.dedupe, packed_act=d4.packed_act) for c in c4[5:]]
     case(4, 0, 8, "T=4 random routing", c4, baseline=True)
     case(4, 4, 8, "T=4 half repeated", c4)
     case(5, 0, 6, "T=5 random routing", c4[:2])

@@ -78,16 +78,21 @@ def fast_synthetic(layers: int | None, context: int) -> tuple[torch.nn.Module, C
     return model, ConversationState.allocate(cfg, context, "cuda", torch.bfloat16)
 
 
-def graph_step_ms(model, state: ConversationState, iters: int = 50) -> float:
-    """Mean time of a graphed one-token decode step, replayed back to back."""
+def graph_step_ms(model, state: ConversationState, iters: int = 50, tokens: int = 1) -> float:
+    """Mean time of a graphed decode step (a verify of `tokens` when > 1), replayed back to back."""
     state.token_ids = [0] * 1024
     graphed = Decoder(model, state, StepGraphs(model, state))
+
+    def step():
+        graphed.forward([1] * tokens, keep_steps=tokens > 1)
+        state.token_ids = state.token_ids[:1024]  # every replay at the same context
+
     for _ in range(3):
-        graphed.forward([1])
+        step()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(iters):
-        graphed.forward([1])
+        step()
     end.record()
     end.synchronize()
     return start.elapsed_time(end) / iters
@@ -156,7 +161,8 @@ def alternate(model, state: ConversationState, name: str, rounds: int = 3) -> No
         for value in ("1", "0"):
             os.environ[name] = value
             fastpath.install(model, linears=True, experts=True, head=True)
-            print(f"{name}={value}  graph decode step: {graph_step_ms(model, state):.3f} ms", flush=True)
+            print(f"{name}={value}  graph decode step: {graph_step_ms(model, state):.3f} ms, "
+                  f"verify of 4: {graph_step_ms(model, state, tokens=4):.3f} ms", flush=True)
 
 
 def profile_prefill(model, state: ConversationState, n: int) -> None:
