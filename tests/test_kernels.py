@@ -298,6 +298,27 @@ def test_fp8_mma_gemv_gpu(N, K, T, bn, warps, stages, split):
 
 
 @gpu
+def test_f16_acts_from_add_norm_gpu():
+    """At the Ling shapes on four tokens: the add+norm kernels hand the tensor-core GEMVs their input in
+    fp16 form (f16_block_acts), and the GEMVs give the same bits with it as without."""
+    from sparkchat.engine.kernels.fp8_gemv import (add_rms_norm, f16_block_acts, fp8_block_gemv,
+                                                   fp8_block_gemv_add_norm, gemv_config)
+    gen = torch.Generator().manual_seed(11)
+    wo, sio = make_fp8(2560, 4096, "cuda", gen)
+    o = torch.randn(4, 4096, generator=gen).bfloat16().cuda()
+    res = (torch.randn(4, 2560, generator=gen) * 3).bfloat16().cuda()
+    nw = (torch.rand(2560, generator=gen) + 0.5).bfloat16().cuda()
+    for _, h in (add_rms_norm(res, res * 0.5, nw, 1e-6), fp8_block_gemv_add_norm(o, wo, sio, res, nw, 1e-6)):
+        h16, hd = f16_block_acts(h)
+        assert torch.equal(h.f16_acts[0], h16) and torch.equal(h.f16_acts[1], hd)
+        for N in (20480, 6912, 1536):
+            w, si = make_fp8(N, 2560, "cuda", gen)
+            cfg = gemv_config("block", 4, N, 2560)
+            assert cfg.mma
+            assert torch.equal(fp8_block_gemv(h, w, si, x_f16=h.f16_acts), fp8_block_gemv(h, w, si)), N
+
+
+@gpu
 @pytest.mark.parametrize("T", [1, 4, 5])
 def test_fp8_mma_head_gpu(T):
     from sparkchat.engine.kernels import fp8_head_argmax, fp8_head_gemv
@@ -453,7 +474,28 @@ _MMA_SCRIPT = textwrap.dedent("""
     s_got, h_got = fp8_block_gemv_add_norm(xw, w, si, res, nw, 1e-6,
                                            config=GemvConfig(bn=64, rs=1, bk=128, mma=True, split=4))
     assert rel_err(s_got, s_ref) < 1e-2 and rel_err(h_got, h_ref) < 1e-2
+    # a norm's output in the tensor-core kernel's fp16 form (f16_block_acts, made by the add+norm kernel)
+    from sparkchat.engine.kernels.fp8_gemv import add_rms_norm as add_norm_kernel, f16_block_acts
+    w2, si2 = make_fp8(200, 256, gen=gen)
+    res2 = (torch.randn(4, 256, generator=gen) * 3).bfloat16()
+    res2[1, :128] *= 1e-12  # one block far below the other: each block gets its own power of two
+    _, h2 = add_norm_kernel(res2, torch.randn(4, 256, generator=gen).bfloat16(), nw[:128].repeat(2), 1e-6)
+    h16, hd = f16_block_acts(h2)
+    assert torch.equal(h2.f16_acts[0], h16) and torch.equal(h2.f16_acts[1], hd)
+    assert torch.equal((h16.float().view(4, 2, 128) * hd[..., None]).view(4, 256), h2.float())  # exact
+    assert not hasattr(add_norm_kernel(res2[:1], res2[:1], nw[:128].repeat(2), 1e-6)[1], "f16_acts")  # one token
+    s3, h3 = fp8_block_gemv_add_norm(xw, w, si, res, nw, 1e-6)
+    assert not hasattr(h3, "f16_acts")  # 200 columns: not whole 128-column blocks
+    for cfg in (GemvConfig(bn=64, rs=1, bk=128, warps=4, mma=True, stages=2),
+                GemvConfig(bn=32, rs=1, bk=64, warps=4, mma=True, split=2)):
+        plain = fp8_block_gemv(h2, w2, si2, config=cfg)
+        assert torch.equal(fp8_block_gemv(h2, w2, si2, config=cfg, x_f16=h2.f16_acts), plain), cfg
+        wrong = (h2.f16_acts[0], h2.f16_acts[1] * 2)  # read, not ignored
+        assert torch.equal(fp8_block_gemv(h2, w2, si2, config=cfg, x_f16=wrong).float(), 2 * plain.float()), cfg
     scale = torch.rand(200, generator=gen) + 0.5
+    for cfg in (GemvConfig(bn=64, rs=1, bk=128, mma=True), GemvConfig(bn=128, rs=1, bk=256, warps=8, mma=True)):
+        plain = fp8_head_gemv(h2, w2, scale, config=cfg)  # bk 256: two scale blocks a step, x_f16 unused
+        assert torch.equal(fp8_head_gemv(h2, w2, scale, config=cfg, x_f16=h2.f16_acts), plain), cfg
     for T in (1, 4):
         x = torch.randn(T, 512, generator=gen).bfloat16()
         want = ref.fp8_head_gemv_reference(x, w, scale)
@@ -474,7 +516,7 @@ def test_mma_gemv_under_triton_interpreter():
 
 def test_gemv_configs_are_the_measured_ones(monkeypatch):
     """The verify-window configs the engine picks on the H200 (132 SMs) are the ones measured fastest
-    there (docs/benchmarks.md, session 6); one-token steps and small-N projections stay on FMAs."""
+    there (docs/benchmarks.md, sessions 6 and 10); one-token steps and small-N projections stay on FMAs."""
     pytest.importorskip("triton")
     from sparkchat.engine.kernels import fp8_gemv
     from sparkchat.engine.kernels.fp8_gemv import gemv_config
@@ -482,7 +524,7 @@ def test_gemv_configs_are_the_measured_ones(monkeypatch):
     picks = {shape: gemv_config(*shape) for shape in [("block", 4, 20480, 2560), ("block", 4, 6912, 2560),
                                                       ("block", 4, 12288, 2560), ("head", 4, 157184, 2560)]}
     got = {shape: (c.mma, c.bn, c.bk, c.warps, c.stages, c.split) for shape, c in picks.items()}
-    assert got == {("block", 4, 20480, 2560): (True, 64, 128, 4, 3, 1),
+    assert got == {("block", 4, 20480, 2560): (True, 64, 128, 4, 3, 2),
                    ("block", 4, 6912, 2560): (True, 64, 128, 4, 3, 2),
                    ("block", 4, 12288, 2560): (True, 64, 128, 4, 3, 2),
                    ("head", 4, 157184, 2560): (True, 128, 128, 4, 3, 1)}

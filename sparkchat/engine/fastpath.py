@@ -100,7 +100,8 @@ def _fp8_gemv() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Te
     from sparkchat.engine.kernels.fp8_gemv import fp8_block_gemv
 
     def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        return fp8_block_gemv(x.contiguous(), w, scale)
+        # a norm's output may carry its fp16 form for the tensor-core kernel (fp8_gemv._f16_outputs)
+        return fp8_block_gemv(x.contiguous(), w, scale, x_f16=getattr(x, "f16_acts", None))
 
     return gemv
 
@@ -109,9 +110,9 @@ def _fp8_head() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Te
     from sparkchat.engine.kernels.fp8_gemv import fp8_head_gemv
 
     def head(h: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        h = h.contiguous()
         if h.shape[0] <= 8:
-            return fp8_head_gemv(h, w, scale)
+            return fp8_head_gemv(h.contiguous(), w, scale, x_f16=getattr(h, "f16_acts", None))
+        h = h.contiguous()
         # a prompt's logits: windows of 8 rows, never a dequantized copy of the 157K-row head
         return torch.cat([fp8_head_gemv(h[i:i + 8], w, scale) for i in range(0, h.shape[0], 8)])
 

@@ -232,6 +232,8 @@ def fp8_mma_kernel(
     SPLIT: tl.constexpr, STAGES: tl.constexpr,
     XS: tl.constexpr = 0, XU: tl.constexpr = 0, X_SWIGLU: tl.constexpr = False, lim=float("inf"),
     PDL: tl.constexpr = False,
+    xd_ptr=None,  # X_F16: fp32 [T, ceil(K/128)], the power of two undoing each block's scaling
+    X_F16: tl.constexpr = False,  # x_ptr: fp16 [T, K], each 128-column block scaled as _f16_exact does
 ):
     """fp8_gemv_kernel's results for a window of T ≤ 16 tokens on the tensor cores: rows
     [pid*BM, +BM) of y = x @ w.T as [BM, 16] MMA tiles, the tokens (zero-padded to 16) the N side.
@@ -257,12 +259,16 @@ def fp8_mma_kernel(
         cols = k_lo + kb + kk
         w = tl.load(w_ptr + rows[:, None] * K + cols[None, :], mask=rmask[:, None], other=0.0)
         xp = x_ptr + toks[None, :] * XSTRIDE + cols[:, None]
-        xv = tl.load(xp, mask=tmask[None, :], other=0.0).to(tl.float32)  # [BK, TN]
-        if X_SWIGLU:
-            up = tl.load(xp + XU, mask=tmask[None, :], other=0.0).to(tl.float32)
-            a = tl.minimum(xv / (1.0 + tl.exp(-xv)), lim)
-            xv = (a * tl.minimum(tl.maximum(up, -lim), lim)).to(tl.bfloat16).to(tl.float32)
-        xh, down = _f16_exact(xv)
+        if X_F16:  # already exact fp16 (f16_block_acts): no reduction across the tile in the loop
+            xh = tl.load(xp, mask=tmask[None, :], other=0.0)
+            down = tl.load(xd_ptr + toks * KB + (k_lo + kb) // SCALE_BLOCK, mask=tmask, other=0.0)
+        else:
+            xv = tl.load(xp, mask=tmask[None, :], other=0.0).to(tl.float32)  # [BK, TN]
+            if X_SWIGLU:
+                up = tl.load(xp + XU, mask=tmask[None, :], other=0.0).to(tl.float32)
+                a = tl.minimum(xv / (1.0 + tl.exp(-xv)), lim)
+                xv = (a * tl.minimum(tl.maximum(up, -lim), lim)).to(tl.bfloat16).to(tl.float32)
+            xh, down = _f16_exact(xv)
         part = tl.dot(w.to(tl.float16), xh)
         if SCALE == 0:  # BM rows sit in one 128-row scale block, BK columns in one 128-column block
             down = down * tl.load(s_ptr + (pid * BM // SCALE_BLOCK) * KB + (k_lo + kb) // SCALE_BLOCK)
@@ -308,11 +314,12 @@ def splitk_reduce_kernel(part_ptr, s_ptr, y_ptr, TN: tl.constexpr, N: tl.constex
 @triton.jit
 def splitk_add_norm_kernel(part_ptr, res_ptr, nw_ptr, res_out_ptr, h_ptr, eps, N: tl.constexpr,
                            T: tl.constexpr, SPLIT: tl.constexpr, BLOCK: tl.constexpr,
-                           PDL: tl.constexpr = False):
+                           PDL: tl.constexpr = False, h16_ptr=None, hd_ptr=None, F16: tl.constexpr = False):
     """One program per token: y = the SPLIT partials summed in order, rounded to bf16 (the projection's
     output), then the residual add and RMSNorm that follow it, rounded as ops.add_rms_norm rounds:
     s = bf16(residual + y); h = w * bf16(s * rsqrt(mean(s²) + eps)). Writes s and h. With SPLIT = 1
-    the one partial may be bf16 (add_rms_norm)."""
+    the one partial may be bf16 (add_rms_norm). F16: also h as f16_block_acts gives it (h16 fp16 [T, N],
+    hd fp32 [T, ceil(N/128)]), which the tensor-core GEMVs reading h then take as is."""
     pdl_wait(PDL)
     t = tl.program_id(0)
     i = tl.arange(0, BLOCK)
@@ -327,6 +334,15 @@ def splitk_add_norm_kernel(part_ptr, res_ptr, nw_ptr, res_out_ptr, h_ptr, eps, N
     h = (w * (s * inv).to(tl.bfloat16).to(tl.float32)).to(tl.bfloat16)
     tl.store(res_out_ptr + t * N + i, s.to(tl.bfloat16), mask=m)
     tl.store(h_ptr + t * N + i, h, mask=m)
+    if F16:
+        NB: tl.constexpr = BLOCK // SCALE_BLOCK
+        hb = tl.reshape(h.to(tl.float32), [NB, SCALE_BLOCK])
+        e = tl.maximum((tl.max(tl.abs(hb), axis=1).to(tl.int32, bitcast=True) >> 23) & 0xFF, 16)
+        up = ((268 - e) << 23).to(tl.float32, bitcast=True)  # as _f16_exact: the block's amax -> [2^14, 2^15)
+        tl.store(h16_ptr + t * N + i, tl.reshape((hb * up[:, None]).to(tl.float16), [BLOCK]), mask=m)
+        b = tl.arange(0, NB)
+        tl.store(hd_ptr + t * ((N + SCALE_BLOCK - 1) // SCALE_BLOCK) + b, ((e - 14) << 23).to(tl.float32, bitcast=True),
+                 mask=b * SCALE_BLOCK < N)
 
 
 @triton.jit
@@ -375,6 +391,7 @@ _TUNED: dict[tuple[str, int, int, int], GemvConfig] = {
     ("plain", 1, 512, 2560): _G(bn=16, rs=1, bk=128, unroll=2, warps=4, split=10),  # router logits
     ("plain", 4, 512, 2560): _G(bn=8, rs=1, bk=512, unroll=2, warps=2, split=5),
     ("block", 1, 20480, 2560): _G(bn=16, rs=1, bk=512, unroll=1, warps=2, kacc=32),  # KDA q|k|v|f|g
+    ("block", 4, 20480, 2560): _G(bn=64, rs=1, bk=128, warps=4, split=2, mma=True, stages=3),  # session 10
     ("block", 1, 2560, 4096): _G(bn=8, rs=1, bk=512, unroll=2, warps=2, split=4, kacc=32),  # o_proj, MLA dense
     ("block", 4, 2560, 4096): _G(bn=32, rs=1, bk=128, unroll=1, warps=4, split=8, row_acc=True),
     ("block", 1, 1536, 2560): _G(bn=8, rs=1, bk=512, unroll=2, warps=2, kacc=32),  # shared expert gate|up
@@ -460,14 +477,19 @@ def _split_for(K: int, bk: int, split: int) -> int:
 
 
 def _gemv(x, w, s, y, pmax, pidx, scale_kind: int, out_kind: int, cfg: GemvConfig, bk: int, split: int,
-          **extra) -> None:
-    """One launch of the configured kernel (FMA or tensor-core) over a (row blocks, split) grid."""
+          x_f16: tuple[torch.Tensor, torch.Tensor] | None = None, **extra) -> None:
+    """One launch of the configured kernel (FMA or tensor-core) over a (row blocks, split) grid;
+    x_f16 (f16_block_acts of x) serves the tensor-core kernel only."""
     T = x.shape[0]
     N, K = w.shape
     grid = (triton.cdiv(N, cfg.bn * cfg.rs), split)
     if cfg.mma:
         assert scale_kind in (0, 1) and T <= 16 and K % (split * bk) == 0 and cfg.rs == 1
         assert scale_kind == 1 or (128 % cfg.bn == 0 and 128 % bk == 0), "mma tiles inside one scale block"
+        if x_f16 is not None and 128 % bk == 0 and not extra.get("X_SWIGLU", False):  # one scale a k step
+            xh, xd = x_f16
+            assert xh.shape == x.shape and xh.dtype == torch.float16 and xd.shape == (T, triton.cdiv(K, 128))
+            x, extra = xh, dict(extra, xd_ptr=xd, X_F16=True)
         fp8_mma_kernel[grid](x, w, s, y, pmax, pidx, T=T, N=N, K=K, BM=cfg.bn, BK=bk, SCALE=scale_kind,
                              OUT=out_kind, SPLIT=split, STAGES=cfg.stages, num_warps=cfg.warps, **extra,
                              **pdl_args(x.device))
@@ -503,18 +525,34 @@ def _launch(x, w, s, y, pmax, pidx, scale_kind: int, out_kind: int, cfg: GemvCon
                                                         BLOCK=block, num_warps=4, **pdl_args(x.device))
 
 
+def f16_block_acts(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """bf16 [T, K] -> (fp16 [T, K], fp32 [T, ceil(K/128)]): each 128-column block of each row times the
+    power of two that puts its largest magnitude in [2^14, 2^15), and the inverse powers — exactly what
+    fp8_mma_kernel's _f16_exact computes per k step of 128 columns, so the products are the same."""
+    T, K = x.shape
+    kb = triton.cdiv(K, 128)
+    xf = torch.nn.functional.pad(x.float(), (0, kb * 128 - K)).view(T, kb, 128)
+    e = ((xf.abs().amax(-1).view(torch.int32) >> 23) & 0xFF).clamp_min(16)
+    up = ((268 - e) << 23).view(torch.float32)
+    down = ((e - 14) << 23).view(torch.float32)
+    return (xf * up[..., None]).view(T, kb * 128)[:, :K].to(torch.float16).contiguous(), down.contiguous()
+
+
 def fp8_block_gemv(
     x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor, *,
     out: torch.Tensor | None = None, config: GemvConfig | None = None,
+    x_f16: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """x [T, K] bf16 @ (w fp8 [N, K] * 128x128 block scale_inv).T -> bf16 [T, N]; w streamed once."""
+    """x [T, K] bf16 @ (w fp8 [N, K] * 128x128 block scale_inv).T -> bf16 [T, N]; w streamed once.
+    x_f16: x as f16_block_acts gives it, which the tensor-core kernel then reads instead of scaling x
+    itself at every k step (same products)."""
     T, N, K = _check_x_w(x, w)
     assert scale_inv.dtype == torch.float32 and scale_inv.is_contiguous()
     assert scale_inv.shape == (triton.cdiv(N, 128), triton.cdiv(K, 128)), f"scale_inv {tuple(scale_inv.shape)}"
     if out is None:
         out = torch.empty(T, N, dtype=torch.bfloat16, device=x.device)
     assert out.shape == (T, N) and out.dtype == torch.bfloat16 and out.is_contiguous()
-    _launch(x, w, scale_inv, out, out, out, 0, 0, config or gemv_config("block", T, N, K))
+    _launch(x, w, scale_inv, out, out, out, 0, 0, config or gemv_config("block", T, N, K), x_f16=x_f16)
     return out
 
 
@@ -537,7 +575,7 @@ def fp8_block_gemv_add_norm(
     s_out = torch.empty_like(residual)
     h = torch.empty_like(residual)
     splitk_add_norm_kernel[(T,)](part, residual, norm_w, s_out, h, float(eps), N=N, T=T, SPLIT=split,
-                                 BLOCK=_pow2(N), num_warps=8, **pdl_args(x.device))
+                                 BLOCK=_pow2(N), num_warps=8, **_f16_outputs(h), **pdl_args(x.device))
     return s_out, h
 
 
@@ -552,8 +590,24 @@ def add_rms_norm(x: torch.Tensor, h: torch.Tensor, norm_w: torch.Tensor, eps: fl
     s_out = torch.empty(T, N, dtype=x.dtype, device=x.device)
     out = torch.empty_like(s_out)
     splitk_add_norm_kernel[(T,)](h.contiguous(), x.contiguous(), norm_w.contiguous(), s_out, out, float(eps), N=N,
-                                 T=T, SPLIT=1, BLOCK=_pow2(N), num_warps=8, **pdl_args(x.device))
+                                 T=T, SPLIT=1, BLOCK=_pow2(N), num_warps=8, **_f16_outputs(out), **pdl_args(x.device))
     return s_out, out
+
+
+F16_ACTS_MIN_TOKENS = 2  # windows this long feed tensor-core GEMVs (gemv_config), which take h16
+
+
+def _f16_outputs(h: torch.Tensor) -> dict:
+    """For a norm output h of a window the tensor-core GEMVs serve: buffers for its f16_block_acts
+    form, attached to h as `h.f16_acts` (the GEMV front ends pick it up), as the add+norm kernel's
+    extra arguments; else none. SPARKCHAT_F16_ACTS=0 turns it off."""
+    T, N = h.shape
+    if T < F16_ACTS_MIN_TOKENS or N % 128 or os.environ.get("SPARKCHAT_F16_ACTS", "1") == "0":
+        return {}
+    h16 = torch.empty(T, N, dtype=torch.float16, device=h.device)
+    hd = torch.empty(T, N // 128, dtype=torch.float32, device=h.device)
+    h.f16_acts = (h16, hd)
+    return dict(h16_ptr=h16, hd_ptr=hd, F16=True)
 
 
 def fp8_block_gemv_swiglu(
@@ -579,14 +633,16 @@ def fp8_block_gemv_swiglu(
 def fp8_head_gemv(
     x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, *,
     out: torch.Tensor | None = None, config: GemvConfig | None = None,
+    x_f16: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """LM head: x [T, H] bf16 @ (w fp8 [V, H] * scale [V]).T -> fp32 logits [T, V]."""
+    """LM head: x [T, H] bf16 @ (w fp8 [V, H] * scale [V]).T -> fp32 logits [T, V]. x_f16: as for
+    fp8_block_gemv."""
     T, V, H = _check_x_w(x, w)
     assert scale.dtype == torch.float32 and scale.shape == (V,) and scale.is_contiguous()
     if out is None:
         out = torch.empty(T, V, dtype=torch.float32, device=x.device)
     assert out.shape == (T, V) and out.dtype == torch.float32 and out.is_contiguous()
-    _launch(x, w, scale, out, out, out, 1, 1, config or gemv_config("head", T, V, H))
+    _launch(x, w, scale, out, out, out, 1, 1, config or gemv_config("head", T, V, H), x_f16=x_f16)
     return out
 
 
