@@ -79,6 +79,9 @@ def report(name: str, instrs: list[str] | None, per: float | None = None) -> Non
     if instrs is None:
         print(f"  {name:<46} compiled (the bundled cuobjdump cannot disassemble this architecture)")
         return
+    if not instrs:  # e.g. a k loop of 3 steps, unrolled whole by the compiler
+        print(f"  {name:<46} no loop left in the SASS (fully unrolled)")
+        return
     ops = Counter(_op(i) for i in instrs)
     per_w = f"{len(instrs) / per:6.2f} per weight" if per else ""
     keys = ("SHFL", "REDUX", "BAR", "STS", "LDS", "LDG", "STL")
@@ -95,17 +98,18 @@ _STAGE2_SIG = {"act_ptr": "*fp32", "ids_ptr": "*i32", "w2_ptr": "*i32", "s2_ptr"
 
 
 def moe_loop(T: int, stage: int, packed: bool, arch: int, paired: bool = False,
-             packed_act: bool = False) -> tuple[list[str] | None, float]:
+             packed_act: bool = False, packed_x: bool = False) -> tuple[list[str] | None, float]:
     """(k-loop SASS or None, weights a thread streams per loop iteration) of one mxfp4_moe stage with
     the tuned config for T tokens, products packed (bf16x2) or not, words in checkpoint or paired order."""
     from sparkchat.engine.kernels import mxfp4_moe as m
 
     base = m.moe_config(T, H, INTER)
     cfg = replace(base, packed=packed, dedupe=base.dedupe and not packed, packed_act=packed_act)
-    plan = m._plan(T, K, H, INTER, cfg, paired)
+    plan = m._plan(T, K, H, INTER, cfg, paired, x_packed=packed_x)
     if stage == 1:
-        fn, sig, meta, rows, bkw, unroll = (m.mxfp4_moe_stage1_kernel, _STAGE1_SIG, plan.meta1,
-                                            2 * cfg.rs1 * cfg.bn1, cfg.bkw1, cfg.unroll1)
+        sig = dict(_STAGE1_SIG, x_ptr="*i32") if packed_x else _STAGE1_SIG  # x as bf16x2 words (pack_moe_x)
+        fn, meta, rows, bkw, unroll = (m.mxfp4_moe_stage1_kernel, plan.meta1, 2 * cfg.rs1 * cfg.bn1, cfg.bkw1,
+                                       cfg.unroll1)
     else:
         fn, sig, meta, rows, bkw, unroll = (m.mxfp4_moe_stage2_kernel, _STAGE2_SIG, {**plan.meta2, "HAS_ADD": True},
                                             cfg.rs2 * cfg.bn2, cfg.bkw2, cfg.unroll2)
@@ -167,10 +171,10 @@ def main() -> None:
         for T in (1, 4):
             for packed, paired, act in ((False, False, False), (True, False, False), (True, True, False),
                                         (True, True, True)):
-                for stage in (1, 2) if not act else (2,):
-                    body, weights = moe_loop(T, stage, packed, arch, paired, act)
+                for stage in (1, 2):
+                    body, weights = moe_loop(T, stage, packed, arch, paired, act and stage == 2, act and stage == 1)
                     kind = ("bf16x2" if packed else "fp32 FMA") + (", paired words" if paired else "")
-                    kind += ", packed act" if act else ""
+                    kind += (", packed act" if stage == 2 else ", packed x (from the norm)") if act else ""
                     report(f"mxfp4_moe T={T} stage {stage} {kind} (k loop)", body, weights)
         report("route_kernel (whole kernel, one warp)", router_sass(arch))
         kernel, weights = mma_gemv(arch)

@@ -45,7 +45,11 @@ from sparkchat.engine.nn.kda import KimiDeltaAttention
 from sparkchat.engine.nn.mla import MultiLatentAttention
 from sparkchat.engine.kernels.fp8_gemv import add_rms_norm, fp8_block_gemv_add_norm, fp8_block_gemv_swiglu
 from sparkchat.engine.nn.norm import RMSNorm
-calls = []
+calls, packed_x = [], []
+class CountingExperts(fastpath.ExpertsKernel):
+    def __call__(self, x, *args, **kw):
+        packed_x.append(hasattr(x, "moe_x"))
+        return super().__call__(x, *args, **kw)
 def counted_add_norm(*args):
     calls.append(args[0].shape[0])
     return add_rms_norm(*args)
@@ -57,12 +61,16 @@ for m in model.modules():
     if isinstance(m, (KimiDeltaAttention, MultiLatentAttention)) and m.out_proj.is_fp8:
         m.out_proj.fast_add_norm = fp8_block_gemv_add_norm
     if isinstance(m, moe.MoE):
-        m.fast_experts = fastpath.ExpertsKernel(m.experts)
+        m.fast_experts = CountingExperts(m.experts)
         m.experts.use_paired_words()  # as install() does on a GPU: the kernels read the paired word order
     elif isinstance(m, KimiDeltaAttention):
         m.fast_core = kda_decode
     elif isinstance(m, MultiLatentAttention):
         m.fast_attend = mla_decode
+import functools
+for layer in model.layers:  # as install() does with SPARKCHAT_MOE_X_PACKED=1
+    if isinstance(layer.mlp, moe.MoE):
+        layer.attention.out_proj.fast_add_norm = functools.partial(fp8_block_gemv_add_norm, moe_x=True)
 from sparkchat.engine.kernels.router import route
 ops.route = route
 fast = logits()
@@ -80,6 +88,7 @@ assert any(l.fast is not None for l in model.linears())
 assert any(l.fast_add_norm is not None for l in model.linears())
 assert calls and max(calls) <= 8, calls  # the residual add + input norm of every layer after the first
 assert all(m.experts.paired for m in model.modules() if isinstance(m, moe.MoE))
+assert any(packed_x), packed_x  # decode steps' MoE layers got their input packed by the norm before
 print("ok", rel)
 """
 

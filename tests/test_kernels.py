@@ -308,6 +308,10 @@ def test_f16_acts_from_add_norm_gpu():
     o = torch.randn(4, 4096, generator=gen).bfloat16().cuda()
     res = (torch.randn(4, 2560, generator=gen) * 3).bfloat16().cuda()
     nw = (torch.rand(2560, generator=gen) + 0.5).bfloat16().cuda()
+    from sparkchat.engine.kernels.mxfp4_moe import pack_moe_x
+    for T in (1, 4):
+        _, h = fp8_block_gemv_add_norm(o[:T], wo, sio, res[:T], nw, 1e-6, moe_x=True)
+        assert torch.equal(h.moe_x, pack_moe_x(h)), T  # the packed MoE stage 1's input
     for _, h in (add_rms_norm(res, res * 0.5, nw, 1e-6), fp8_block_gemv_add_norm(o, wo, sio, res, nw, 1e-6)):
         h16, hd = f16_block_acts(h)
         assert torch.equal(h.f16_acts[0], h16) and torch.equal(h.f16_acts[1], hd)
@@ -484,8 +488,10 @@ _MMA_SCRIPT = textwrap.dedent("""
     assert torch.equal(h2.f16_acts[0], h16) and torch.equal(h2.f16_acts[1], hd)
     assert torch.equal((h16.float().view(4, 2, 128) * hd[..., None]).view(4, 256), h2.float())  # exact
     assert not hasattr(add_norm_kernel(res2[:1], res2[:1], nw[:128].repeat(2), 1e-6)[1], "f16_acts")  # one token
-    s3, h3 = fp8_block_gemv_add_norm(xw, w, si, res, nw, 1e-6)
+    s3, h3 = fp8_block_gemv_add_norm(xw, w, si, res, nw, 1e-6, moe_x=True)
     assert not hasattr(h3, "f16_acts")  # 200 columns: not whole 128-column blocks
+    from sparkchat.engine.kernels.mxfp4_moe import pack_moe_x
+    assert torch.equal(h3.moe_x, pack_moe_x(h3))  # the MoE's packed input too
     for cfg in (GemvConfig(bn=64, rs=1, bk=128, warps=4, mma=True, stages=2),
                 GemvConfig(bn=32, rs=1, bk=64, warps=4, mma=True, split=2)):
         plain = fp8_block_gemv(h2, w2, si2, config=cfg)

@@ -95,7 +95,7 @@ def run_kernels(device: str) -> None:
     """Every decode and prefill kernel configuration reads paired words to the same bits as checkpoint
     words, and the Triton permutation matches the torch one."""
     from sparkchat.engine.kernels.moe_prefill import PrefillConfig, moe_prefill
-    from sparkchat.engine.kernels.mxfp4_moe import MoeConfig, moe_config, mxfp4_moe
+    from sparkchat.engine.kernels.mxfp4_moe import MoeConfig, moe_config, mxfp4_moe, pack_moe_x
 
     w = _words(300, seed=3).to(device)
     got = layout.permute_words_(w.clone())
@@ -128,6 +128,12 @@ def run_kernels(device: str) -> None:
         a = mxfp4_moe(x, ids, wts, w13, s13, w2, s2, 4.0, config=plain)
         b = mxfp4_moe(x, ids, wts, p13, s13, p2, s2, 4.0, config=cfg, paired=True)
         assert torch.equal(a, b), (T, repeat, over)
+        # x handed over already packed (as the add+norm kernel writes it): the same bits where it is read
+        c = mxfp4_moe(x, ids, wts, p13, s13, p2, s2, 4.0, config=cfg, paired=True, x_packed=pack_moe_x(x))
+        assert torch.equal(c, b), (T, repeat, over)
+        if (cfg or moe_config(T, H, I)).packed:  # ... and it is read there
+            c = mxfp4_moe(x, ids, wts, p13, s13, p2, s2, 4.0, config=cfg, paired=True, x_packed=pack_moe_x(-x))
+            assert not torch.equal(c, b), (T, repeat, over)
         assert rel_err(a, ref.mxfp4_moe_reference(x, ids, wts, w13, s13, w2, s2, 4.0)) < 1e-2, (T, repeat, over)
     pre = None if big else PrefillConfig(bm=16, bn1=16, bk1=32, bn2=32, bk2=32)
     for T in (9, 40) if not big else (9, 300):

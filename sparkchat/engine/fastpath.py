@@ -66,7 +66,8 @@ class ExpertsKernel:
 
         ex = self.experts
         return mxfp4_moe(x.contiguous(), ids.contiguous(), weights.float().contiguous(), ex.w13, ex.w13_scale,
-                         ex.w2, ex.w2_scale, ex.limit, add=add, join=join, paired=ex.paired)
+                         ex.w2, ex.w2_scale, ex.limit, add=add, join=join, paired=ex.paired,
+                         x_packed=getattr(x, "moe_x", None))  # written by the norm before (install)
 
 
 def side_stream_enabled() -> bool:
@@ -78,6 +79,12 @@ def paired_words_enabled() -> bool:
     """The MXFP4 experts are reordered into the kernels' paired word layout when the MoE kernels are
     installed, unless SPARKCHAT_MOE_PAIRED=0 (then the kernels decode the checkpoint's order)."""
     return os.environ.get("SPARKCHAT_MOE_PAIRED", "1") != "0"
+
+
+def moe_x_packed_enabled() -> bool:
+    """A MoE layer's input norm (its attention's output projection + add + norm) also writes the
+    activations as the packed stage 1 multiplies them, when SPARKCHAT_MOE_X_PACKED=1."""
+    return os.environ.get("SPARKCHAT_MOE_X_PACKED", "0") == "1"
 
 
 def add_norm_kernel_enabled() -> bool:
@@ -170,4 +177,11 @@ def install(model, *, linears: bool, experts: bool, head: bool) -> None:
             m.side_stream = side_stream(m.experts.w13.device) if overlap else None
         elif isinstance(m, MultiLatentAttention):
             m.fast_attend = attend if m.kv_b_proj.weight.is_cuda else None
+    if add_norm is not None and experts and moe_x_packed_enabled():
+        import functools
+
+        for layer in getattr(model, "layers", ()):  # the norm before a MoE also packs its activations
+            out = layer.attention.out_proj
+            if isinstance(layer.mlp, MoE) and layer.mlp.fast_experts is not None and out.fast_add_norm is not None:
+                out.fast_add_norm = functools.partial(add_norm, moe_x=True)
     model.lm_head.fast_fp8 = _fp8_head() if head else None

@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from sparkchat.engine.kernels.mxfp4_moe import _store_act_packed
 from sparkchat.engine.kernels.pdl import pdl_args, pdl_wait
 
 SCALE_BLOCK: tl.constexpr = tl.constexpr(128)
@@ -314,12 +315,14 @@ def splitk_reduce_kernel(part_ptr, s_ptr, y_ptr, TN: tl.constexpr, N: tl.constex
 @triton.jit
 def splitk_add_norm_kernel(part_ptr, res_ptr, nw_ptr, res_out_ptr, h_ptr, eps, N: tl.constexpr,
                            T: tl.constexpr, SPLIT: tl.constexpr, BLOCK: tl.constexpr,
-                           PDL: tl.constexpr = False, h16_ptr=None, hd_ptr=None, F16: tl.constexpr = False):
+                           PDL: tl.constexpr = False, h16_ptr=None, hd_ptr=None, F16: tl.constexpr = False,
+                           hx_ptr=None, MOE_X: tl.constexpr = False, INTERPRET: tl.constexpr = False):
     """One program per token: y = the SPLIT partials summed in order, rounded to bf16 (the projection's
     output), then the residual add and RMSNorm that follow it, rounded as ops.add_rms_norm rounds:
     s = bf16(residual + y); h = w * bf16(s * rsqrt(mean(s²) + eps)). Writes s and h. With SPLIT = 1
     the one partial may be bf16 (add_rms_norm). F16: also h as f16_block_acts gives it (h16 fp16 [T, N],
-    hd fp32 [T, ceil(N/128)]), which the tensor-core GEMVs reading h then take as is."""
+    hd fp32 [T, ceil(N/128)]), which the tensor-core GEMVs reading h then take as is. MOE_X: also h as
+    the packed MoE stage 1 multiplies it (hx bf16 [T, N], mxfp4_moe.pack_moe_x's layout)."""
     pdl_wait(PDL)
     t = tl.program_id(0)
     i = tl.arange(0, BLOCK)
@@ -343,6 +346,8 @@ def splitk_add_norm_kernel(part_ptr, res_ptr, nw_ptr, res_out_ptr, h_ptr, eps, N
         b = tl.arange(0, NB)
         tl.store(hd_ptr + t * ((N + SCALE_BLOCK - 1) // SCALE_BLOCK) + b, ((e - 14) << 23).to(tl.float32, bitcast=True),
                  mask=b * SCALE_BLOCK < N)
+    if MOE_X:
+        _store_act_packed(hx_ptr + t * N, i, h.to(tl.float32), m, INTERPRET)
 
 
 @triton.jit
@@ -558,11 +563,12 @@ def fp8_block_gemv(
 
 def fp8_block_gemv_add_norm(
     x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor, residual: torch.Tensor, norm_w: torch.Tensor,
-    eps: float, *, config: GemvConfig | None = None,
+    eps: float, *, config: GemvConfig | None = None, moe_x: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A layer's output projection and what follows it: s = residual + x @ w.T (bf16), then RMSNorm(s)
     with weight norm_w -> (s, norm(s)), both bf16 [T, N]: ops.add_rms_norm(residual, fp8_block_gemv(x,
-    w, scale_inv), norm_w, eps) in two launches, the add and the norm done by the split-K reduce."""
+    w, scale_inv), norm_w, eps) in two launches, the add and the norm done by the split-K reduce.
+    moe_x (a MoE layer follows): the norm also comes as pack_moe_x(norm(s)), attached as `.moe_x`."""
     T, N, K = _check_x_w(x, w)
     assert scale_inv.dtype == torch.float32 and scale_inv.is_contiguous()
     assert residual.shape == (T, N) and residual.dtype == torch.bfloat16 and residual.is_contiguous()
@@ -575,7 +581,8 @@ def fp8_block_gemv_add_norm(
     s_out = torch.empty_like(residual)
     h = torch.empty_like(residual)
     splitk_add_norm_kernel[(T,)](part, residual, norm_w, s_out, h, float(eps), N=N, T=T, SPLIT=split,
-                                 BLOCK=_pow2(N), num_warps=8, **_f16_outputs(h), **pdl_args(x.device))
+                                 BLOCK=_pow2(N), num_warps=8, **_f16_outputs(h), **_moe_x_output(h, moe_x),
+                                 **pdl_args(x.device))
     return s_out, h
 
 
@@ -608,6 +615,15 @@ def _f16_outputs(h: torch.Tensor) -> dict:
     hd = torch.empty(T, N // 128, dtype=torch.float32, device=h.device)
     h.f16_acts = (h16, hd)
     return dict(h16_ptr=h16, hd_ptr=hd, F16=True)
+
+
+def _moe_x_output(h: torch.Tensor, want: bool) -> dict:
+    """When `want`: a buffer for h in the packed MoE stage 1's layout (pack_moe_x), attached to h as
+    `h.moe_x` (ExpertsKernel passes it on), as the add+norm kernel's extra arguments; else none."""
+    if not want or h.shape[1] % 8:
+        return {}
+    h.moe_x = torch.empty_like(h)
+    return dict(hx_ptr=h.moe_x, MOE_X=True, INTERPRET=_interpreting())
 
 
 def fp8_block_gemv_swiglu(

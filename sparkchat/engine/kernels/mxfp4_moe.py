@@ -418,9 +418,11 @@ def mxfp4_moe_stage1_kernel(
     BN: tl.constexpr, RS: tl.constexpr, BKW: tl.constexpr, UNROLL: tl.constexpr,
     NT: tl.constexpr, K_PAD: tl.constexpr, S_PAD: tl.constexpr, DEDUPE: tl.constexpr, PREFETCH: tl.constexpr,
     PACKED: tl.constexpr = False, INTERPRET: tl.constexpr = False, PDL: tl.constexpr = False,
-    PAIRED: tl.constexpr = False, ACT_PACKED: tl.constexpr = False,
+    PAIRED: tl.constexpr = False, ACT_PACKED: tl.constexpr = False, X_PACKED: tl.constexpr = False,
 ):
-    """ACT_PACKED: act_ptr is bf16, written as _store_act_packed lays it out for stage 2 (PACKED only)."""
+    """ACT_PACKED: act_ptr is bf16, written as _store_act_packed lays it out for stage 2 (PACKED only).
+    X_PACKED (PACKED only): x_ptr is int32 [T, H/2], x already as the bf16x2 words _pack_x builds
+    (pack_moe_x's layout, written by the add+norm kernel before the MoE)."""
     s = tl.program_id(0)  # slot t*K + k
     nb = tl.program_id(1)  # block of RS*BN gate rows (and the matching up rows)
     pdl_wait(PDL)  # the expert ids may come from the kernel just before: nothing to load earlier
@@ -436,7 +438,7 @@ def mxfp4_moe_stage1_kernel(
         toks, slots, rws, valid = _slot_tokens(ids_ptr, rw_ptr, e, s, T, K, NT, K_PAD, DEDUPE)
         x_offs = ()
         for t in tl.static_range(NT):
-            x_offs = x_offs + (toks[t] * H,)
+            x_offs = x_offs + (toks[t] * (H // 2 if X_PACKED else H),)
         sub = tl.arange(0, BN)
         w_e = w13_ptr + e.to(tl.int64) * (2 * I * HW)
         s_e = s13_ptr + e.to(tl.int64) * (2 * I * HG)
@@ -444,7 +446,7 @@ def mxfp4_moe_stage1_kernel(
         for r in tl.static_range(R):
             row0s = row0s + (nb * (RS * BN) + (r // 2) * BN + (r % 2) * I,)  # even r: gate rows, odd r: up rows
         accs = _stream(_zeros(NT * R, BN, BKW), w_e, s_e, row0s, HW, HG, HW, x_ptr, x_offs, valid,
-                       BN, BKW, R, NT, DEDUPE, UNROLL, PREFETCH, False, PACKED, INTERPRET, PAIRED)
+                       BN, BKW, R, NT, DEDUPE, UNROLL, PREFETCH, False, PACKED, INTERPRET, PAIRED, X_PACKED)
         lim = tl.where(limit > 0, limit, float("inf"))
         for t in tl.static_range(NT):
             out = act_ptr + slots[t] * I + nb * (RS * BN) + sub
@@ -560,6 +562,18 @@ def moe_config(T: int, H: int, I: int) -> MoeConfig:
                    packed_act=packed and os.environ.get("SPARKCHAT_MOE_PACKED_ACT", "1") != "0")
 
 
+def pack_moe_x(x: torch.Tensor) -> torch.Tensor:
+    """bf16 [T, H] -> bf16 [T, H]: x * 2^100 with element 8j + q stored at 8j + 2(q % 4) + q // 4, so the
+    int32 at 8j + 2i is the bf16x2 (x[8j + i], x[8j + i + 4]) a packed stage 1 multiplies (_pack_x).
+    The torch twin of what the add+norm kernel writes for the MoE after it (fp8_gemv, MOE_X)."""
+    T, H = x.shape
+    q = torch.arange(H, device=x.device)
+    dest = (q // 8) * 8 + (q % 4) * 2 + (q % 8) // 4
+    out = torch.empty_like(x)
+    out[:, dest] = (x.float() * 2.0 ** 100).to(torch.bfloat16)
+    return out
+
+
 @dataclass
 class MoeWorkspace:
     """Scratch for one mxfp4_moe call shape; reusable across calls and layers (stream-ordered)."""
@@ -610,11 +624,14 @@ def mxfp4_moe(
     workspace: MoeWorkspace | None = None,
     config: MoeConfig | None = None,
     paired: bool = False,  # w13 and w2 in paired word order (kernels/mxfp4_layout.py)
+    x_packed: torch.Tensor | None = None,  # x as pack_moe_x lays it out (bf16 [T, H]), or None
 ) -> torch.Tensor:
     """Routed MXFP4 experts for T tokens: sum_k w[t,k] * down_e(swiglu_L(gate_e x_t, up_e x_t)) -> bf16 [T, H].
 
     The experts of one token must be distinct (as top-k gives them); tokens may share experts.
     Pass `out` and `workspace` (mxfp4_moe_workspace) to allocate nothing, e.g. under CUDA graphs.
+    `x_packed` (the add+norm kernel writes it): stage 1 reads its bf16x2 words instead of building them
+    from x in every program; used where the products are packed, ignored elsewhere.
     """
     T, H = x.shape
     E = w13.shape[0]
@@ -643,9 +660,13 @@ def mxfp4_moe(
     assert ws.part.dtype == torch.float32 and ws.part.numel() >= T * K * H
     assert ws.count.dtype == torch.int32 and ws.count.numel() >= H // (cfg.bn2 * cfg.rs2)
 
-    launch = _plan(T, K, H, inter, cfg, paired)
+    use_xp = x_packed is not None and cfg.packed
+    if use_xp:
+        assert x_packed.shape == (T, H) and x_packed.dtype == torch.bfloat16 and x_packed.is_contiguous()
+    launch = _plan(T, K, H, inter, cfg, paired, x_packed=use_xp)
     w13_i32, w2_i32 = w13.view(torch.int32), w2.view(torch.int32)
-    launch.stage1(x, topk_ids, topk_weights, w13_i32, w13_scale, ws.act, float(swiglu_limit))
+    launch.stage1(x_packed.view(torch.int32) if use_xp else x, topk_ids, topk_weights, w13_i32, w13_scale, ws.act,
+                  float(swiglu_limit))
     if join is not None:
         join()
     if add is not None:
@@ -673,7 +694,7 @@ class _Plan:
                                             HAS_ADD=add is not None, **self.meta2, **pdl_args(act.device))
 
 
-def _plan(T: int, K: int, H: int, inter: int, cfg: MoeConfig, paired: bool = False) -> _Plan:
+def _plan(T: int, K: int, H: int, inter: int, cfg: MoeConfig, paired: bool = False, x_packed: bool = False) -> _Plan:
     dedupe = cfg.dedupe and T > 1
     bn1, bkw1 = _fit(cfg.bn1, inter), max(4, _fit(cfg.bkw1, H // 8))
     bn2, bkw2 = _fit(cfg.bn2, H), max(4, _fit(cfg.bkw2, inter // 8))
@@ -685,7 +706,8 @@ def _plan(T: int, K: int, H: int, inter: int, cfg: MoeConfig, paired: bool = Fal
     return _Plan(
         grid1=(T * K, inter // (bn1 * rs1)),
         grid2=(H // (bn2 * rs2), T * K),
-        meta1=dict(common, BN=bn1, RS=rs1, BKW=bkw1, UNROLL=cfg.unroll1, num_warps=cfg.warps1),
+        meta1=dict(common, BN=bn1, RS=rs1, BKW=bkw1, UNROLL=cfg.unroll1, num_warps=cfg.warps1,
+                   X_PACKED=x_packed and cfg.packed),
         meta2=dict(common, BN=bn2, RS=rs2, BKW=bkw2, UNROLL=cfg.unroll2, num_warps=cfg.warps2),
     )
 
