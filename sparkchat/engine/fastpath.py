@@ -83,8 +83,9 @@ def paired_words_enabled() -> bool:
 
 def moe_x_packed_enabled() -> bool:
     """A MoE layer's input norm (its attention's output projection + add + norm) also writes the
-    activations as the packed stage 1 multiplies them, when SPARKCHAT_MOE_X_PACKED=1."""
-    return os.environ.get("SPARKCHAT_MOE_X_PACKED", "0") == "1"
+    activations as the packed stage 1 multiplies them, unless SPARKCHAT_MOE_X_PACKED=0 (H200: the
+    one-token step 0.008-0.017 ms faster, docs/benchmarks.md session 10)."""
+    return os.environ.get("SPARKCHAT_MOE_X_PACKED", "1") != "0"
 
 
 def add_norm_kernel_enabled() -> bool:
