@@ -40,7 +40,7 @@ gemv = fastpath._fp8_gemv()
 for lin in model.linears():
     lin.fast = gemv if lin.is_fp8 else None
 from sparkchat.engine.kernels.kda_decode import kda_decode
-from sparkchat.engine.kernels.mla_decode import mla_decode
+from sparkchat.engine.kernels.mla_decode import mla_decode_step
 from sparkchat.engine.nn.kda import KimiDeltaAttention
 from sparkchat.engine.nn.mla import MultiLatentAttention
 from sparkchat.engine.kernels.fp8_gemv import add_rms_norm, fp8_block_gemv_add_norm, fp8_block_gemv_swiglu
@@ -66,7 +66,7 @@ for m in model.modules():
     elif isinstance(m, KimiDeltaAttention):
         m.fast_core = kda_decode
     elif isinstance(m, MultiLatentAttention):
-        m.fast_attend = mla_decode
+        m.fast_step = mla_decode_step
 import functools
 for layer in model.layers:  # as install() does with SPARKCHAT_MOE_X_PACKED=1
     if isinstance(layer.mlp, moe.MoE):

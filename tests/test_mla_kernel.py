@@ -1,7 +1,8 @@
-"""The Triton MLA decode-attention kernel (kernels.mla_decode) against its torch twin nn.mla.mla_absorbed,
-fed the equivalent boolean mask: under Triton's CPU interpreter (when triton is installed) and on CUDA
-(when there is a GPU). Cache rows past each query's position are filled with huge garbage, so a leak
-through the mask cannot hide.
+"""The Triton MLA decode step (kernels.mla_decode: prepare, attention, merge + unfold + gate) against its
+torch twin nn.mla.absorbed_step (mla_prepare, mla_absorbed with the equivalent boolean mask, the gate):
+under Triton's CPU interpreter (when triton is installed) and on CUDA (when there is a GPU). Cache rows
+past each query's position are filled with huge garbage, so a leak through the mask cannot hide; the
+caches' new rows must match the twin's writes.
 
 Tolerance, in units of 2^-8 x the output's max (at most one bf16 ulp there): both sides round to bf16 at
 the same points (q_latent, probs, o_latent, output), but the twin also rounds its scores to bf16 (the
@@ -29,6 +30,7 @@ CASES = [
     (5, 8, 32, 32, 16, 32, 50, [3, 4, 5, 6, 7], 5, 16),  # short live length: most splits see nothing
     (1, 4, 32, 16, 16, 16, 33, [32], 1, 16),  # the whole bucket, one split
     (3, 4, 32, 16, 16, 16, 64, [10, 30, 63], 4, 16),  # tokens far apart (not a contiguous span)
+    (2, 4, 32, 16, 16, 24, 40, [20, 21], 2, 16),  # v_dim not a power of two (the tiny test models')
 ]
 REAL = (2, 32, 512, 64, 128, 128, 80, [70, 71], 2, 32)  # the model's per-head dims, a short bucket
 
@@ -37,43 +39,78 @@ def ulp_bound(want: torch.Tensor, n: float) -> float:
     return n * want.abs().amax().item() * 2.0 ** -8
 
 
-def check(T, H, R, P, NOPE, V, attend, positions, splits, block_n, device, *, seed=0, leak=False):
-    """Kernel vs twin (and vs the twin's fp32 run) on one case; raises AssertionError on a mismatch.
-    leak=True hands the twin a mask that lets one stale row through (the check must then fail)."""
-    from sparkchat.engine.kernels.mla_decode import MlaDecodeConfig, mla_decode
-    from sparkchat.engine.nn.mla import mla_absorbed
+def twin(q, kv_a, g, cos, sin, pos, C, KR, norm_w, eps, w_kv, attend, scale, nope, leak=False):
+    """absorbed_step's composition, spelled out so a test can hand attention a leaky mask."""
+    from sparkchat.engine.nn.mla import mla_absorbed, mla_prepare
 
+    H, _, R = w_kv.shape
+    q_nope, q_rope, gate = mla_prepare(q, kv_a, g, cos, sin, pos, C, KR, norm_w, eps, H, nope, KR.shape[1], R)
+    mask = torch.arange(attend, device=q.device)[None, :] <= pos[:, None]
+    if leak:
+        mask[0, int(pos[0]) + 1] = True
+    o = mla_absorbed(q_nope, q_rope, C[:attend], KR[:attend], w_kv, mask, scale, nope)
+    return (o * gate.unsqueeze(-1)).reshape(q.shape[0], -1)
+
+
+def inputs(T, H, R, P, NOPE, V, attend, positions, device, seed=0):
+    """Projection outputs as row-strided views of one fused output (as the model hands them over), the
+    rotary tables, caches whose rows past the last position (stale, or past the bucket) hold garbage
+    that would dominate any score it leaked into, and a kv_b weight."""
     g = torch.Generator().manual_seed(seed)
 
     def rnd(*shape, s=1.0):
         return (torch.randn(*shape, generator=g) * s).to(torch.bfloat16).to(device)
 
-    rows = attend + 7  # the cache extends past the bucket: the kernel must not read there either
+    widths = [H * (NOPE + P), R + P, H]
+    fused = rnd(T, sum(widths) + 8)  # +8: the row stride is not any one projection's width
+    q, kv_a, gl = fused[:, :sum(widths)].split(widths, dim=-1)
+    kv_a[:, :R] *= 3.0  # the latent's norm must matter
+    rows = attend + 7
     C, KR = rnd(rows, R), rnd(rows, P)
-    q_nope, q_rope = rnd(T, H, NOPE, s=0.5), rnd(T, H, P, s=0.5)
-    w_kv = rnd(H, NOPE + V, R, s=NOPE ** -0.5)
-    pos = torch.tensor(positions, dtype=torch.int64, device=device)
     stale = max(positions) + 1
-    C[stale:], KR[stale:] = 3e4, 3e4  # stale rows and rows past the bucket: garbage that would dominate
-    scale = (NOPE + P) ** -0.5
-    cfg = MlaDecodeConfig(block_n=block_n)
-    out = mla_decode(q_nope, q_rope, C, KR, w_kv, pos, attend, scale, NOPE, splits=splits, config=cfg)
-    assert out.shape == (T, H, V) and out.dtype == torch.bfloat16
+    C[stale:], KR[stale:] = 3e4, 3e4
+    w_kv = rnd(H, NOPE + V, R, s=NOPE ** -0.5)
+    norm_w = (1.0 + 0.1 * torch.randn(R, generator=g)).to(torch.bfloat16).to(device)
+    freqs = torch.outer(torch.arange(rows, dtype=torch.float32), 1.0 / 1e4 ** (torch.arange(0, P, 2) / P))
+    pos = torch.tensor(positions, dtype=torch.int64, device=device)
+    return q, kv_a, gl, freqs.cos().to(device), freqs.sin().to(device), pos, C, KR, norm_w, 1e-6, w_kv
 
-    mask = torch.arange(attend, device=device)[None, :] <= pos[:, None]
-    if leak:
-        mask[0, positions[0] + 1] = True
-    Cb, KRb = C[:attend], KR[:attend]
-    twin = mla_absorbed(q_nope, q_rope, Cb, KRb, w_kv, mask, scale, NOPE).float()
-    want = mla_absorbed(q_nope.float(), q_rope.float(), Cb.float(), KRb.float(), w_kv.float(), mask, scale,
-                        NOPE)
+
+def check(T, H, R, P, NOPE, V, attend, positions, splits, block_n, device, *, seed=0, leak=False):
+    """Kernels vs twin (and vs the twin's fp32 run) on one case; raises AssertionError on a mismatch.
+    leak=True hands the twin's attention a mask that lets one stale row through (the check must fail)."""
+    from sparkchat.engine.kernels.mla_decode import MlaDecodeConfig, mla_decode_step
+    from sparkchat.engine.nn.mla import absorbed_step
+
+    q, kv_a, gl, cos, sin, pos, C, KR, norm_w, eps, w_kv = inputs(T, H, R, P, NOPE, V, attend, positions, device,
+                                                                 seed)
+    scale = (NOPE + P) ** -0.5
+    Ck, KRk = C.clone(), KR.clone()
+    out = mla_decode_step(q, kv_a, gl, cos, sin, pos, Ck, KRk, norm_w, eps, w_kv, attend, scale, NOPE,
+                          splits=splits, config=MlaDecodeConfig(block_n=block_n))
+    assert out.shape == (T, H * V) and out.dtype == torch.bfloat16
+
+    Ct, KRt = C.clone(), KR.clone()
+    tw = twin(q, kv_a, gl, cos, sin, pos, Ct, KRt, norm_w, eps, w_kv, attend, scale, NOPE, leak=leak).float()
+    if not leak:  # the model's reference path is this composition
+        C2, KR2 = C.clone(), KR.clone()
+        ref = absorbed_step(q, kv_a, gl, cos, sin, pos, C2, KR2, norm_w, eps, w_kv, attend, scale, NOPE)
+        assert torch.equal(ref.float(), tw) and torch.equal(C2, Ct) and torch.equal(KR2, KRt)
+    # the caches: written at the positions only, the rope key exactly, the normed latent within an ulp
+    assert torch.equal(KRk, KRt), "rope key cache differs"
+    assert torch.equal(Ck[pos.max() + 1:], C[pos.max() + 1:]) and torch.equal(KRk[pos.max() + 1:], KR[pos.max() + 1:])
+    lat_gap = (Ck.float() - Ct.float()).abs() - Ct.float().abs() * 2.0 ** -7
+    assert lat_gap.max().item() <= 0, "latent cache off by more than one bf16 ulp"
+    f32 = [x.float() if x.is_floating_point() else x for x in (q, kv_a, gl, cos, sin, pos, C.clone(), KR.clone(),
+                                                                 norm_w)]
+    want = twin(*f32, eps, w_kv.float(), attend, scale, NOPE, leak=leak)
     out = out.float()
     assert torch.isfinite(out).all()
-    err, twin_err = (out - want).abs().max().item(), (twin - want).abs().max().item()
+    err, twin_err = (out - want).abs().max().item(), (tw - want).abs().max().item()
     case = (T, H, R, P, attend, positions, splits)
     assert err <= ulp_bound(want, 3), f"{case}: kernel off the fp32 twin by {err:.3g} (twin: {twin_err:.3g})"
-    gap = (out - twin).abs().max().item()
-    assert gap <= twin_err + ulp_bound(twin, 3), f"{case}: kernel off the bf16 twin by {gap:.3g}"
+    gap = (out - tw).abs().max().item()
+    assert gap <= twin_err + ulp_bound(tw, 3), f"{case}: kernel off the bf16 twin by {gap:.3g}"
     return err / ulp_bound(want, 1), twin_err / ulp_bound(want, 1)
 
 
@@ -92,33 +129,34 @@ def run_all(device: str) -> None:
 
 
 def run_model(path: str) -> None:
-    """The hook in MultiLatentAttention.forward: a tiny model's decode and verify steps hand fast_attend
-    the twin's inputs, and the kernel's answer to them matches the twin's (fed the mask forward builds)."""
+    """The hook in MultiLatentAttention.forward: a tiny model's decode and verify steps hand fast_step
+    absorbed_step's inputs, and the kernels' answer (and cache writes) match the twin's."""
     from sparkchat.engine.config import ModelConfig
     from sparkchat.engine.generate import Decoder
-    from sparkchat.engine.kernels.mla_decode import mla_decode
+    from sparkchat.engine.kernels.mla_decode import mla_decode_step
     from sparkchat.engine.loader import load_model
-    from sparkchat.engine.nn.mla import MultiLatentAttention, mla_absorbed
+    from sparkchat.engine.nn.mla import MultiLatentAttention, absorbed_step
     from sparkchat.engine.state import ConversationState
 
     cfg = ModelConfig.from_dir(path)
     model = load_model(path, cfg, "cpu", torch.bfloat16, 64)
     seen = []
 
-    def attend(q_nope, q_rope, C, KR, w_kv, pos, end, scale, nope):
-        out = mla_decode(q_nope, q_rope, C, KR, w_kv, pos, end, scale, nope)
-        mask = torch.arange(end)[None, :] <= pos[:, None]
-        want = mla_absorbed(q_nope, q_rope, C, KR, w_kv, mask, scale, nope).float()
-        assert (out.float() - want).abs().max().item() <= ulp_bound(want, 4), (end, pos)
-        seen.append(q_nope.shape[0])
+    def step(q, kv_a, g, cos, sin, pos, C, KR, *rest):
+        Ck, KRk = C.clone(), KR.clone()
+        out = mla_decode_step(q, kv_a, g, cos, sin, pos, Ck, KRk, *rest)
+        want = absorbed_step(q, kv_a, g, cos, sin, pos, C, KR, *rest).float()
+        assert (out.float() - want).abs().max().item() <= ulp_bound(want, 4), pos
+        assert torch.equal(KRk, KR) and ((Ck.float() - C.float()).abs() <= C.float().abs() * 2.0 ** -7).all()
+        seen.append(q.shape[0])
         return out
 
     for m in model.modules():
         if isinstance(m, MultiLatentAttention):
-            m.fast_attend = attend
+            m.fast_step = step
     dec = Decoder(model, ConversationState.allocate(cfg, 64, "cpu", torch.bfloat16))
     prompt = list(range(5, 30))
-    dec.forward(prompt)  # prefill (> 8 tokens): not absorbed, fast_attend unused
+    dec.forward(prompt)  # prefill (> 8 tokens): not absorbed, fast_step unused
     dec.commit(prompt)
     assert not seen
     for ids in ([7], [8, 9, 10]):  # a decode step, a verify window
@@ -140,23 +178,29 @@ def test_mla_kernel_under_triton_interpreter(tmp_path):
 def test_mla_kernel_on_cuda():
     run_all("cuda")
     # the real shapes at a real bucket with the default (SM-count) splits: a decode step, a verify window
-    from sparkchat.engine.kernels.mla_decode import mla_decode
-    from sparkchat.engine.nn.mla import mla_absorbed
+    from sparkchat.engine.kernels.mla_decode import mla_decode_step
 
-    g = torch.Generator(device="cuda").manual_seed(1)
     H, R, P, NOPE, V, attend = 32, 512, 64, 128, 128, 4096
     scale = (NOPE + P) ** -0.5
-
-    def rnd(*shape, s=1.0):
-        return (torch.randn(*shape, device="cuda", generator=g) * s).bfloat16()
-
-    w_kv = rnd(H, NOPE + V, R, s=NOPE ** -0.5)
     for T, last in ((1, 3000), (5, 4000)):
-        C, KR = rnd(attend, R), rnd(attend, P)
-        C[last + 1:], KR[last + 1:] = 3e4, 3e4
-        q_nope, q_rope = rnd(T, H, NOPE, s=0.5), rnd(T, H, P, s=0.5)
-        pos = torch.arange(last - T + 1, last + 1, device="cuda")
-        mask = torch.arange(attend, device="cuda")[None, :] <= pos[:, None]
-        out = mla_decode(q_nope, q_rope, C, KR, w_kv, pos, attend, scale, NOPE).float()
-        want = mla_absorbed(q_nope.float(), q_rope.float(), C.float(), KR.float(), w_kv.float(), mask, scale, NOPE)
+        positions = list(range(last - T + 1, last + 1))
+        q, kv_a, gl, cos, sin, pos, C, KR, norm_w, eps, w_kv = inputs(T, H, R, P, NOPE, V, attend, positions,
+                                                                     "cuda", seed=T)
+        out = mla_decode_step(q, kv_a, gl, cos, sin, pos, C.clone(), KR.clone(), norm_w, eps, w_kv, attend, scale,
+                              NOPE).float()
+        f32 = [x.float() if x.is_floating_point() else x for x in (q, kv_a, gl, cos, sin, pos, C, KR, norm_w)]
+        want = twin(*f32, eps, w_kv.float(), attend, scale, NOPE)
         assert (out - want).abs().max().item() <= ulp_bound(want, 3), T
+
+
+def test_default_config_fits_the_devices_shared_memory(monkeypatch):
+    """block_n 64 (two [64, rank + rope] bf16 tiles, 144 KiB) where a program may use the H200's 227 KiB;
+    halved to fit the 99 KiB of sm_12x parts such as the DGX Spark's GB10."""
+    pytest.importorskip("triton")
+    import sparkchat.engine.kernels.mla_decode as mla
+
+    for limit, want in ((232448, 64), (101376, 32), (40000, 16)):
+        monkeypatch.setattr(mla, "max_shared_memory", lambda device, limit=limit: limit)
+        cfg = mla.default_config(torch.device("cuda"), 512, 64)
+        assert cfg.block_n == want, (limit, cfg.block_n)
+        assert cfg.stages * cfg.block_n * (512 + 64) * 2 <= limit or cfg.block_n == 16

@@ -8,7 +8,8 @@
 - the FP8 LM head → `fp8_head_gemv`;
 - the router's group-limited top-k → `route` (one program per token);
 - a KDA layer's core for decode/verify (conv, norms, gate, recurrence, output norm) → `kda_decode`;
-- MLA decode/verify attention → `mla_decode` (the latent cache read once per block for all heads).
+- an MLA layer's decode/verify step after its input projections → `mla_decode_step` (prepare with the
+  query fold, attention reading the latent cache once per block for all heads, merge + unfold + gate).
 Each kernel has a pure-torch twin (the modules' own forward), which is what runs when a switch is off.
 """
 
@@ -127,10 +128,10 @@ def _fp8_head() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Te
     return head
 
 
-def _mla_attend() -> Callable[..., torch.Tensor]:
-    from sparkchat.engine.kernels.mla_decode import mla_decode
+def _mla_step() -> Callable[..., torch.Tensor]:
+    from sparkchat.engine.kernels.mla_decode import mla_decode_step
 
-    return mla_decode  # (q_nope, q_rope, C, KR, w_kv, pos, attend, scale, nope) -> [T, heads, v_dim]
+    return mla_decode_step  # nn.mla.absorbed_step's arguments -> out_proj's input [T, heads * v_dim]
 
 
 def install(model, *, linears: bool, experts: bool, head: bool) -> None:
@@ -151,7 +152,7 @@ def install(model, *, linears: bool, experts: bool, head: bool) -> None:
     from sparkchat.engine.nn.kda import KimiDeltaAttention
     from sparkchat.engine.nn.mla import MultiLatentAttention
 
-    attend = _mla_attend() if linears else None
+    mla_step = _mla_step() if linears else None
     kda_core = None
     if linears:
         from sparkchat.engine.kernels.kda_decode import kda_decode as kda_core
@@ -177,7 +178,7 @@ def install(model, *, linears: bool, experts: bool, head: bool) -> None:
             overlap = m.fast_experts is not None and m.experts.w13.is_cuda and side_stream_enabled()
             m.side_stream = side_stream(m.experts.w13.device) if overlap else None
         elif isinstance(m, MultiLatentAttention):
-            m.fast_attend = attend if m.kv_b_proj.weight.is_cuda else None
+            m.fast_step = mla_step if m.kv_b_proj.weight.is_cuda else None
     if add_norm is not None and experts and moe_x_packed_enabled():
         import functools
 

@@ -62,6 +62,8 @@ import torch
 import triton
 import triton.language as tl
 
+from sparkchat.engine.kernels.device import max_shared_memory
+
 
 # ---------------------------------------------------------------------------------------------- kernels
 @triton.jit
@@ -293,17 +295,7 @@ def _smem_estimate(bm: int, bn: int, bk: int, stages: int, mats: int) -> int:
     return stages * (bm * bk * 2 + mats * (bn * bk // 2 + bn * bk // 32)) + mats * bn * bk * 2
 
 
-def _smem_limit(device) -> int:
-    if device is None or torch.device(device).type != "cuda" or not torch.cuda.is_available():
-        return 1 << 30
-    try:
-        from triton.runtime import driver
-
-        index = torch.device(device).index
-        return int(driver.active.utils.get_device_properties(
-            torch.cuda.current_device() if index is None else index)["max_shared_mem"])
-    except Exception:  # noqa: BLE001 - a driver without the query: assume the small (sm_12x) figure
-        return 101376
+_smem_limit = max_shared_memory  # a module global, so tests can pretend to be a smaller GPU
 
 
 def prefill_config(T: int, K: int, E: int, H: int, I: int, device=None) -> PrefillConfig:

@@ -51,9 +51,8 @@ class MultiLatentAttention(nn.Module):
         self.g_proj = Linear(hidden, heads)
         self.softmax_scale = (nope + rope) ** -0.5
         self.fused: FusedLinear | None = None  # q_proj|kv_a_proj_with_mqa|g_proj, set at load time
-        # mla_absorbed's job with the mask given as positions: (q_nope, q_rope, C, KR, w_kv, pos, attend,
-        # scale, nope) -> [T, heads, v_dim]; the Triton kernel on CUDA (fastpath.install), else None
-        self.fast_attend: Callable[..., torch.Tensor] | None = None
+        # absorbed_step's job (same arguments): the Triton kernels on CUDA (fastpath.install), else None
+        self.fast_step: Callable[..., torch.Tensor] | None = None
 
     def input_projections(self) -> list[Linear]:
         return [self.q_proj, self.kv_a_proj_with_mqa, self.g_proj]
@@ -68,30 +67,46 @@ class MultiLatentAttention(nn.Module):
         T = x.shape[0]
         h = self.heads
         q, kv_a, g = project(self.fused, self.input_projections(), x)
-        prepare = ops.mla_prepare if absorbed else mla_prepare  # prefill lengths vary: not compiled
         norm = self.kv_a_layernorm
-        q_nope, q_rope, gate = prepare(q, kv_a, g, rotary.cos, rotary.sin, span.pos, cache.latent, cache.rope_key,
-                                       norm.weight, norm.eps, h, self.nope, self.rope, self.rank)
+        scale = self.softmax_scale * rotary.softmax_mscale
+        w_kv = self.kv_b_proj.dense_weight(x.dtype).view(h, self.nope + self.v_dim, self.rank)
+        if absorbed:
+            step = self.fast_step or absorbed_step
+            o = step(q, kv_a, g, rotary.cos, rotary.sin, span.pos, cache.latent, cache.rope_key, norm.weight,
+                     norm.eps, w_kv, span.attend, scale, self.nope)
+            return self.dense(o) if project_out else o
+        # prefill lengths vary: not compiled
+        q_nope, q_rope, gate = mla_prepare(q, kv_a, g, rotary.cos, rotary.sin, span.pos, cache.latent,
+                                           cache.rope_key, norm.weight, norm.eps, h, self.nope, self.rope, self.rank)
         end = span.attend
         C, KR = cache.latent[:end], cache.rope_key[:end]
-        scale = self.softmax_scale * rotary.softmax_mscale
-        fast = absorbed and self.fast_attend is not None  # the kernel takes positions, not a mask
         # query t at position pos[t] sees keys 0..pos[t]; rows past it (stale or unused) are masked
-        mask = None if fast else torch.arange(end, device=x.device)[None, :] <= span.pos[:, None]
-        w_kv = self.kv_b_proj.dense_weight(x.dtype).view(h, self.nope + self.v_dim, self.rank)
-        if fast:
-            o = self.fast_attend(q_nope, q_rope, C, KR, w_kv, span.pos, end, scale, self.nope)
-        elif absorbed:
-            o = ops.mla_absorbed(q_nope, q_rope, C, KR, w_kv, mask, scale, self.nope)
-        else:
-            kv = (C @ w_kv.reshape(-1, self.rank).T).view(end, h, self.nope + self.v_dim)
-            k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
-            k = torch.cat([k_nope, KR.unsqueeze(1).expand(end, h, self.rope)], dim=-1)
-            qh = torch.cat([q_nope, q_rope], dim=-1).transpose(0, 1)  # [h, T, d]
-            o = F.scaled_dot_product_attention(qh, k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask,
-                                               scale=scale).transpose(0, 1)
+        mask = torch.arange(end, device=x.device)[None, :] <= span.pos[:, None]
+        kv = (C @ w_kv.reshape(-1, self.rank).T).view(end, h, self.nope + self.v_dim)
+        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
+        k = torch.cat([k_nope, KR.unsqueeze(1).expand(end, h, self.rope)], dim=-1)
+        qh = torch.cat([q_nope, q_rope], dim=-1).transpose(0, 1)  # [h, T, d]
+        o = F.scaled_dot_product_attention(qh, k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask,
+                                           scale=scale).transpose(0, 1)
         o = (o * gate.unsqueeze(-1)).reshape(T, h * self.v_dim)
         return self.dense(o) if project_out else o
+
+
+def absorbed_step(q: torch.Tensor, kv_a: torch.Tensor, g: torch.Tensor, cos_table: torch.Tensor,
+                  sin_table: torch.Tensor, pos: torch.Tensor, latent_cache: torch.Tensor, rope_cache: torch.Tensor,
+                  norm_w: torch.Tensor, eps: float, w_kv: torch.Tensor, attend: int, scale: float,
+                  nope: int) -> torch.Tensor:
+    """A decode/verify step's attention after the input projections, in the absorbed form (the twin of
+    kernels.mla_decode.mla_decode_step): prepare (writing the caches at pos), attend over the first
+    `attend` cache rows with query t seeing rows 0..pos[t], gate. Returns out_proj's input [T, heads*v]."""
+    T = q.shape[0]
+    heads, rank = w_kv.shape[0], w_kv.shape[2]
+    rope = rope_cache.shape[1]
+    q_nope, q_rope, gate = ops.mla_prepare(q, kv_a, g, cos_table, sin_table, pos, latent_cache, rope_cache, norm_w,
+                                           eps, heads, nope, rope, rank)
+    mask = torch.arange(attend, device=q.device)[None, :] <= pos[:, None]
+    o = ops.mla_absorbed(q_nope, q_rope, latent_cache[:attend], rope_cache[:attend], w_kv, mask, scale, nope)
+    return (o * gate.unsqueeze(-1)).reshape(T, -1)
 
 
 @register

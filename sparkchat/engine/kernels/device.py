@@ -1,0 +1,20 @@
+"""What the kernels' launch shapes need to know about the GPU they run on."""
+
+from __future__ import annotations
+
+import torch
+
+
+def max_shared_memory(device) -> int:
+    """Shared memory one program may use on `device`, in bytes (the opt-in maximum): 227 KiB on the
+    H200, 99 KiB on sm_12x parts such as the DGX Spark's GB10. Unlimited off CUDA (the interpreter)."""
+    if device is None or torch.device(device).type != "cuda" or not torch.cuda.is_available():
+        return 1 << 30
+    try:
+        from triton.runtime import driver
+
+        index = torch.device(device).index
+        return int(driver.active.utils.get_device_properties(
+            torch.cuda.current_device() if index is None else index)["max_shared_mem"])
+    except Exception:  # noqa: BLE001 - a driver without the query: assume the small (sm_12x) figure
+        return 101376
