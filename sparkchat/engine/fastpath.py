@@ -82,6 +82,13 @@ def paired_words_enabled() -> bool:
     return os.environ.get("SPARKCHAT_MOE_PAIRED", "1") != "0"
 
 
+def mla_step_enabled() -> bool:
+    """An MLA layer's decode/verify step runs as the three Triton kernels of `mla_decode_step`, unless
+    SPARKCHAT_MLA_STEP=0 (then the compiled twin, nn.mla.absorbed_step). H200: the one-token step
+    0.08 ms faster, docs/benchmarks.md session 11."""
+    return os.environ.get("SPARKCHAT_MLA_STEP", "1") != "0"
+
+
 def moe_x_packed_enabled() -> bool:
     """A MoE layer's input norm (its attention's output projection + add + norm) also writes the
     activations as the packed stage 1 multiplies them, unless SPARKCHAT_MOE_X_PACKED=0 (H200: the
@@ -152,7 +159,7 @@ def install(model, *, linears: bool, experts: bool, head: bool) -> None:
     from sparkchat.engine.nn.kda import KimiDeltaAttention
     from sparkchat.engine.nn.mla import MultiLatentAttention
 
-    mla_step = _mla_step() if linears else None
+    mla_step = _mla_step() if linears and mla_step_enabled() else None
     kda_core = None
     if linears:
         from sparkchat.engine.kernels.kda_decode import kda_decode as kda_core
