@@ -31,13 +31,15 @@ CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuob
 H, INTER, K, E = 2560, 768, 8, 512
 
 
-def compile_kernel(fn, signature: dict, constexprs: dict, warps: int, arch: int):
-    """fn compiled for sm_<arch> (its .asm holds "ptx" and "cubin"), pointers marked 16-byte aligned."""
+def compile_kernel(fn, signature: dict, constexprs: dict, warps: int, arch: int, stages: int | None = None):
+    """fn compiled for sm_<arch> (its .asm holds "ptx" and "cubin", .metadata.shared its shared memory),
+    pointers marked 16-byte aligned."""
     sig = {**signature, **{k: "constexpr" for k in constexprs}}
     pointers = [i for i, v in enumerate(signature.values()) if v.startswith("*")]
     attrs = {(i,): [["tt.divisibility", 16]] for i in pointers}
+    options = {"num_warps": warps} if stages is None else {"num_warps": warps, "num_stages": stages}
     return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs),
-                          target=GPUTarget("cuda", arch, 32), options={"num_warps": warps})
+                          target=GPUTarget("cuda", arch, 32), options=options)
 
 
 def compile_sass(fn, signature: dict, constexprs: dict, warps: int, arch: int) -> list[str] | None:
@@ -153,6 +155,46 @@ def fma_gemv(arch: int, T: int, N: int, K: int, cfg=None) -> tuple[object, float
     return compile_kernel(g.fp8_gemv_kernel, _GEMV_SIG, cx, cfg.warps, arch), cfg.bn * cfg.rs * bk / (32 * cfg.warps)
 
 
+MLA_SPLIT_SIG = {k: "*bf16" for k in ("ql_ptr", "qr_ptr", "c_ptr", "kr_ptr")}
+MLA_SPLIT_SIG |= {"pos_ptr": "*i64", "po_ptr": "*fp32", "plse_ptr": "*fp32", "attend": "i32", "S": "i32",
+                  "qk_scale": "fp32"}
+MLA_SPLIT_SIG |= {k: "i32" for k in ("s_ql_t", "s_ql_h", "s_qr_t", "s_qr_h", "s_c", "s_kr")}
+
+
+def mla_kernels(arch: int, T: int, smem: int) -> dict[str, object]:
+    """The three MLA step kernels compiled as `mla_decode_step` launches them at the Ling shapes (32 heads,
+    rank 512, rope 64, nope and v 128) for T tokens on a device whose programs get `smem` bytes of shared
+    memory (227 KiB: the H200; 99 KiB: sm_12x): {name: compiled kernel}."""
+    import torch
+
+    from sparkchat.engine.kernels import mla_decode as m
+
+    real = m.max_shared_memory
+    m.max_shared_memory = lambda device: smem
+    try:
+        cfg = m.default_config(torch.device("cuda"), 512, 64)
+    finally:
+        m.max_shared_memory = real
+    Hh, R, P, NOPE, V = 32, 512, 64, 128, 128
+    i32 = "i32"
+    prep = {k: "*bf16" for k in ("q_ptr", "kv_ptr", "g_ptr")}
+    prep |= {"cos_ptr": "*fp32", "sin_ptr": "*fp32", "pos_ptr": "*i64"}
+    prep |= {k: "*bf16" for k in ("lat_ptr", "krc_ptr", "nw_ptr", "w_ptr", "ql_ptr", "qr_ptr", "gate_ptr")}
+    prep |= {"eps": "fp32"} | {k: i32 for k in ("s_q", "s_kv", "s_g", "s_cs", "s_lat", "s_krc", "s_wh", "s_wn")}
+    comb = {"po_ptr": "*fp32", "plse_ptr": "*fp32", "w_ptr": "*bf16", "gate_ptr": "*bf16", "out_ptr": "*bf16"}
+    comb |= {k: i32 for k in ("S", "s_wh", "s_wn", "s_out")}
+    return {
+        "mla_prepare_kernel": compile_kernel(m.mla_prepare_kernel, prep, dict(
+            T=T, H=Hh, NOPE=NOPE, P=P, R=R, BLOCK_R=cfg.prepare_block_r, HP=Hh, INTERPRET=False, PDL=True), 4, arch),
+        "mla_decode_split_kernel": compile_kernel(m.mla_decode_split_kernel, MLA_SPLIT_SIG, dict(
+            H=Hh, M=T * Hh, R=R, P=P, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, INTERPRET=False, ITERS=0, PDL=True),
+            cfg.warps, arch, cfg.stages),
+        "mla_combine_unfold_kernel": compile_kernel(m.mla_combine_unfold_kernel, comb, dict(
+            T=T, H=Hh, M=T * Hh, R=R, NOPE=NOPE, V=V, BLOCK_V=cfg.unfold_block_v, SC=cfg.combine_chunk,
+            INTERPRET=False, CHUNKS=0, PDL=True), cfg.unfold_warps, arch),
+    }
+
+
 def registers(kernel, name: str) -> int | None:
     """Registers per thread of a compiled kernel (cuobjdump's resource usage; None if unreadable)."""
     path = Path("/tmp") / f"sparkchat_regs_{name}.cubin"
@@ -186,6 +228,13 @@ def main() -> None:
         sass = disassemble(kernel, "fp8_gemv_kernel")
         report(f"fp8_gemv_kernel T=1 KDA ({registers(kernel, 'fp8_gemv')} registers, k loop)",
                None if sass is None else loop_body(sass), weights)
+        smem = 232448 if arch == 90 else 101376
+        for T in (1, 4):
+            for name, kernel in mla_kernels(arch, T, smem).items():
+                ptx = kernel.asm["ptx"]
+                mma = "wgmma" if "wgmma" in ptx else "mma.sync" if "mma.sync" in ptx else "no MMA"
+                print(f"  {name} T={T}: {kernel.metadata.shared} bytes of shared memory, {mma}, "
+                      f"{registers(kernel, name)} registers")
 
 
 if __name__ == "__main__":

@@ -194,13 +194,12 @@ def test_mla_kernel_on_cuda():
 
 
 def test_default_config_fits_the_devices_shared_memory(monkeypatch):
-    """block_n 64 (two [64, rank + rope] bf16 tiles, 144 KiB) where a program may use the H200's 227 KiB;
-    halved to fit the 99 KiB of sm_12x parts such as the DGX Spark's GB10."""
+    """block_n 64 where a program may use the H200's 227 KiB; halved until the estimate fits the 99 KiB
+    of sm_12x parts such as the DGX Spark's GB10 (16: at 32 the compiled kernel needs 100 KiB)."""
     pytest.importorskip("triton")
     import sparkchat.engine.kernels.mla_decode as mla
 
-    for limit, want in ((232448, 64), (101376, 32), (40000, 16)):
+    for limit, want in ((232448, 64), (101376, 16), (40000, 16)):
         monkeypatch.setattr(mla, "max_shared_memory", lambda device, limit=limit: limit)
         cfg = mla.default_config(torch.device("cuda"), 512, 64)
         assert cfg.block_n == want, (limit, cfg.block_n)
-        assert cfg.stages * cfg.block_n * (512 + 64) * 2 <= limit or cfg.block_n == 16

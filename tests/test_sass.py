@@ -67,3 +67,23 @@ def test_narrow_gemv_accumulators_halve_the_registers():
     assert s.registers(tuned, "tuned") <= 100 and s.registers(wide, "wide") >= 200
     for arch in (90, 121):
         s.fma_gemv(arch, 4, 2560, 4096, replace(tuned_cfg, bn=8, rs=2, bk=256, split=4, kacc=16))
+
+
+@pytest.mark.parametrize("arch,smem", [(90, 232448), (121, 101376)])
+def test_mla_step_kernels_fit_the_device(arch, smem):
+    """The MLA step's kernels compile for the H200 and for the Spark's sm_121a with the launch shapes
+    `default_config` picks for that device's shared memory, use no more of it than a program may (the
+    split kernel at 32 cache rows a step needs 100 KiB: more than sm_12x gives), stay within
+    split_smem_estimate, and use no Hopper-only instruction on sm_121a."""
+    from benchmarks import sass_stats
+    from sparkchat.engine.kernels import mla_decode as m
+
+    for T in (1, 4):
+        for name, kernel in sass_stats.mla_kernels(arch, T, smem).items():
+            assert kernel.metadata.shared <= smem, (name, T, kernel.metadata.shared)
+            if arch == 121:
+                assert "wgmma" not in kernel.asm["ptx"], name
+    for block_n in (16, 32, 64):
+        real = sass_stats.compile_kernel(m.mla_decode_split_kernel, sass_stats.MLA_SPLIT_SIG, dict(
+            H=32, M=32, R=512, P=64, BLOCK_M=32, BLOCK_N=block_n, INTERPRET=False, ITERS=0, PDL=True), 8, arch, 2)
+        assert real.metadata.shared <= m.split_smem_estimate(32, block_n, 2, 512, 64), (block_n, real.metadata.shared)

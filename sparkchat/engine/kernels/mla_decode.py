@@ -257,8 +257,9 @@ def mla_combine_unfold_kernel(
 class MlaDecodeConfig:
     """Launch shape. block_m 32 keeps one token's 32 heads and the fp32 [32, 512] accumulator in one
     program (64 registers a thread at 8 warps). block_n 64 was faster than 32 in the graphed step on the
-    H200 (docs/benchmarks.md, session 11); its two pipelined [64, rank + rope] cache tiles take 144 KiB
-    of shared memory, so `default_config` halves it where a program gets less (sm_12x: 99 KiB)."""
+    H200 (docs/benchmarks.md, session 11). The split kernel's shared memory grows with block_n (compiled
+    at the Ling shapes: 132 KiB at 64, 100 KiB at 32, 60 KiB at 16, on sm_90 and sm_121 alike), so
+    `default_config` halves it until it fits the device (sm_12x such as the DGX Spark: 99 KiB, so 16)."""
 
     block_m: int = 32  # query rows (token, head) per program; >= 16 for tl.dot
     block_n: int = 64  # cache rows per step
@@ -274,12 +275,18 @@ class MlaDecodeConfig:
     combine_chunk: int = 16  # splits merged at a time: the 16 splits of a 1K context in one go
 
 
+def split_smem_estimate(block_m: int, block_n: int, stages: int, rank: int, rope: int) -> int:
+    """The split kernel's shared memory, an upper estimate: `stages` bf16 cache tiles [block_n, rank + rope]
+    and the query's [block_m, rank] (tests/test_sass.py holds it to Triton's own figure)."""
+    return stages * block_n * (rank + rope) * 2 + block_m * rank * 2
+
+
 def default_config(device: torch.device, rank: int, rope: int) -> MlaDecodeConfig:
-    """MlaDecodeConfig() with block_n halved until the split kernel's pipelined cache tiles fit `device`."""
+    """MlaDecodeConfig() with block_n halved until the split kernel fits `device`'s shared memory."""
     cfg = MlaDecodeConfig()
     limit = max_shared_memory(device)
     block_n = cfg.block_n
-    while block_n > 16 and cfg.stages * block_n * (rank + rope) * 2 > 0.9 * limit:
+    while block_n > 16 and split_smem_estimate(cfg.block_m, block_n, cfg.stages, rank, rope) > 0.9 * limit:
         block_n //= 2
     return cfg if block_n == cfg.block_n else replace(cfg, block_n=block_n)
 
