@@ -87,3 +87,18 @@ def test_mla_step_kernels_fit_the_device(arch, smem):
         real = sass_stats.compile_kernel(m.mla_decode_split_kernel, sass_stats.MLA_SPLIT_SIG, dict(
             H=32, M=32, R=512, P=64, BLOCK_M=32, BLOCK_N=block_n, INTERPRET=False, ITERS=0, PDL=True), 8, arch, 2)
         assert real.metadata.shared <= m.split_smem_estimate(32, block_n, 2, 512, 64), (block_n, real.metadata.shared)
+
+
+def test_tensor_core_gemvs_fit_the_sparks_shared_memory():
+    """The verify's largest tensor-core GEMV tiles — the head (128 rows a program) and the shared expert's
+    gate|up (4 stages) — fit in the 99 KiB a program gets on sm_12x (compiled: 44 and 40 KiB)."""
+    from benchmarks import sass_stats
+    from sparkchat.engine.kernels import fp8_gemv as g
+
+    for kind, N in (("head", 157184), ("block", 1536)):
+        cfg = g.gemv_config(kind, 4, N, 2560)
+        assert cfg.mma
+        cx = dict(T=4, N=N, K=2560, BM=cfg.bn, BK=cfg.bk, SCALE=1 if kind == "head" else 0, OUT=0, SPLIT=cfg.split,
+                  STAGES=cfg.stages, XS=0, XU=0, X_SWIGLU=False, PDL=True)
+        kernel = sass_stats.compile_kernel(g.fp8_mma_kernel, sass_stats._GEMV_SIG, cx, cfg.warps, 121)
+        assert kernel.metadata.shared <= 101376, (kind, kernel.metadata.shared)
