@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 
+@functools.lru_cache(maxsize=None)  # asked per launch on eager paths; the answer never changes
 def max_shared_memory(device) -> int:
     """Shared memory one program may use on `device`, in bytes (the opt-in maximum): 227 KiB on the
     H200, 99 KiB on sm_12x parts such as the DGX Spark's GB10. Unlimited off CUDA (the interpreter)."""
