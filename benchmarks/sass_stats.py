@@ -92,7 +92,7 @@ def report(name: str, instrs: list[str] | None, per: float | None = None) -> Non
 
 
 _STAGE1_SIG = {"x_ptr": "*bf16", "ids_ptr": "*i32", "rw_ptr": "*fp32", "w13_ptr": "*i32", "s13_ptr": "*u8",
-               "act_ptr": "*fp32", "limit": "fp32", "w2_ptr": "*i32", "s2_ptr": "*u8"}
+               "act_ptr": "*fp32", "limit": "fp32"}
 _GEMV_SIG = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "y_ptr": "*bf16", "pmax_ptr": "*fp32",
              "pidx_ptr": "*i32", "lim": "fp32"}  # both FP8 GEMV kernels' non-constexpr arguments
 _STAGE2_SIG = {"act_ptr": "*fp32", "ids_ptr": "*i32", "w2_ptr": "*i32", "s2_ptr": "*u8", "part_ptr": "*fp32",
@@ -141,19 +141,6 @@ def mma_gemv(arch: int) -> tuple[object, float]:
     return compile_kernel(g.fp8_mma_kernel, _GEMV_SIG, cx, cfg.warps, arch), cfg.bn * cfg.bk / (32 * cfg.warps)
 
 
-class _Shape:
-    """A stand-in for an fp8 weight [N, K] where only its shape and size are read."""
-
-    def __init__(self, n: int, k: int) -> None:
-        self.shape = (n, k)
-
-    def numel(self) -> int:
-        return self.shape[0] * self.shape[1]
-
-    def element_size(self) -> int:
-        return 1
-
-
 def fma_gemv(arch: int, T: int, N: int, K: int, cfg=None) -> tuple[object, float]:
     """The FMA GEMV (fp8_gemv_kernel, block scales, bf16 out) for T tokens at N x K with cfg (default:
     what the engine picks): (the compiled kernel, weights a thread streams per k step)."""
@@ -164,7 +151,7 @@ def fma_gemv(arch: int, T: int, N: int, K: int, cfg=None) -> tuple[object, float
     split = g._split_for(K, bk, cfg.split)
     cx = dict(T=T, N=N, K=K, BN=cfg.bn, RS=cfg.rs, BK=bk, UNROLL=cfg.unroll, SCALE=0, OUT=0 if split == 1 else 3,
               SPLIT=split, PREFETCH=cfg.prefetch, ROW_ACC=cfg.row_acc, XS=0, XU=0, X_SWIGLU=False, PDL=True,
-              KACC=g._kacc(cfg, bk), L2_STEPS=g._l2_steps(cfg, _Shape(N, K), bk, split))
+              KACC=g._kacc(cfg, bk))
     return compile_kernel(g.fp8_gemv_kernel, _GEMV_SIG, cx, cfg.warps, arch), cfg.bn * cfg.rs * bk / (32 * cfg.warps)
 
 

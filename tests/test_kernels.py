@@ -258,52 +258,6 @@ def test_mxfp4_moe_fused_shared_add_rounds_like_torch():
         assert torch.equal(mxfp4_moe(x, ids.cuda(), wts.cuda(), w13, s13, w2, s2, 0.0, add=shared), out + shared)
 
 
-def test_gemv_l2_prefetch_steps(monkeypatch):
-    """Which k steps a GEMV program prefetches into L2 before its wait (kernels/prefetch.py)."""
-    from sparkchat.engine.kernels.fp8_gemv import GemvConfig, _l2_steps
-    fp8 = lambda n, k: torch.empty(n, k, dtype=torch.float8_e4m3fn)  # noqa: E731
-    cfg = GemvConfig(bn=8, rs=1, bk=512, split=4, l2=4)
-    assert _l2_steps(cfg, fp8(2560, 4096), 512, 4) == 1  # 2 steps a split: the one after the first
-    assert _l2_steps(cfg, fp8(1536, 2560), 512, 1) == 4
-    assert _l2_steps(GemvConfig(l2=3), fp8(1536, 2560), 512, 1) == 2  # a power of two of lines
-    assert _l2_steps(cfg, fp8(20480, 2560), 512, 1) == 0  # 52 MB: more than L2 should take
-    assert _l2_steps(cfg, fp8(2560, 768), 1024, 1) == 0  # one (partial) step
-    assert _l2_steps(GemvConfig(bn=8, bk=512), fp8(1536, 2560), 512, 1) == 0  # off unless configured
-    bf16 = torch.empty(512, 2560, dtype=torch.bfloat16)
-    assert _l2_steps(GemvConfig(bk=128, l2=1), bf16, 128, 10) == 1  # 256-byte steps of bf16 rows
-    monkeypatch.setenv("SPARKCHAT_GEMV_L2", "0")
-    assert _l2_steps(cfg, fp8(1536, 2560), 512, 1) == 0
-
-
-@gpu
-@pytest.mark.parametrize("T", [1, 4])
-def test_l2_prefetch_changes_no_result_gpu(T, monkeypatch):
-    """L2 prefetches (the MoE's stage 1 asking for stage 2's rows, GEMV programs for their later k steps)
-    leave every result bit for bit what it is without them."""
-    from dataclasses import replace
-
-    from sparkchat.engine.kernels.fp8_gemv import GemvConfig, fp8_block_gemv, plain_gemv_partials
-    from sparkchat.engine.kernels.mxfp4_moe import moe_config, mxfp4_moe
-    gen = torch.Generator().manual_seed(40 + T)
-    E, H, I, K = 512, 2560, 768, 8
-    w13, s13, w2, s2 = make_experts(E, H, I, "cuda", gen)
-    ids, wts = make_routing(T, K, E, 2, gen)
-    x = torch.randn(T, H, generator=gen).bfloat16().cuda()
-    cfg = moe_config(T, H, I)
-    got = {on: mxfp4_moe(x, ids.cuda(), wts.cuda(), w13, s13, w2, s2, 7.0, config=replace(cfg, l2_down=on))
-           for on in (False, True)}
-    assert torch.equal(got[True], got[False])
-    for N, Kd, split in [(2560, 4096, 4), (1536, 2560, 1), (576, 512, 1)]:
-        w, si = make_fp8(N, Kd, "cuda", gen)
-        xg = torch.randn(T, Kd, generator=gen).bfloat16().cuda()
-        outs = [fp8_block_gemv(xg, w, si, config=GemvConfig(bn=8, rs=1, bk=128, warps=2, split=split, l2=l2))
-                for l2 in (0, 1, 8)]
-        assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
-    wr = torch.randn(512, H, generator=gen).bfloat16().cuda()
-    parts = [plain_gemv_partials(x, wr, GemvConfig(bn=16, rs=1, bk=128, warps=4, split=10, l2=l2)) for l2 in (0, 1)]
-    assert torch.equal(parts[0], parts[1])
-
-
 @gpu
 @pytest.mark.parametrize("N,K", [(256, 256), (200, 144), (576, 512), (2560, 4096), (20480, 2560)])
 @pytest.mark.parametrize("T", [1, 2, 4, 5])

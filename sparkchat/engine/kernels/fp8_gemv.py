@@ -24,7 +24,6 @@ import triton.language as tl
 
 from sparkchat.engine.kernels.mxfp4_moe import _store_act_packed
 from sparkchat.engine.kernels.pdl import pdl_args, pdl_wait
-from sparkchat.engine.kernels.prefetch import LINE, l2_prefetch_enabled, prefetch_lines
 
 SCALE_BLOCK: tl.constexpr = tl.constexpr(128)
 
@@ -135,7 +134,6 @@ def fp8_gemv_kernel(
     lim=float("inf"),  # X_SWIGLU: the clamp (inf: none)
     PDL: tl.constexpr = False,  # programmatic dependent launch (kernels/pdl.py)
     KACC: tl.constexpr = 0,  # > 0: [BN, KACC] accumulators (_gemv_step)
-    L2_STEPS: tl.constexpr = 0,  # k steps after the first that the program prefetches into L2 pre-wait
 ):
     """Rows [pid*RS*BN, +RS*BN) of y = x @ w.T for T tokens, over this program's share of K. The
     program holds RS row tiles of [BN, BK] fp8 per k step; each token's activation chunk is loaded
@@ -162,12 +160,6 @@ def fp8_gemv_kernel(
             accs = accs + (tl.zeros([BN, BK], dtype=tl.float32),)
     # The first k step's weights are loaded before pdl_wait: they overlap the previous kernel's tail.
     ws, sc = _gemv_weights(w_ptr, s_ptr, r0, k_lo, sub, kk, N, K, KB, BN, RS, EVEN_N, EVEN_K, SCALE)
-    if L2_STEPS > 0:  # and the next steps' rows into L2 (kernels/prefetch.py): HBM works during the wait
-        EL: tl.constexpr = w_ptr.dtype.element_ty.primitive_bitwidth // 8
-        LPR: tl.constexpr = L2_STEPS * BK * EL // LINE  # lines per row
-        prow = tl.minimum(r0 + tl.arange(0, RS * BN), N - 1)
-        pcol = k_lo + BK + tl.arange(0, LPR) * (LINE // EL)
-        prefetch_lines(w_ptr + prow[:, None] * K + pcol[None, :])
     pdl_wait(PDL)
     xs = _gemv_acts(x_ptr, sc, k_lo, kk, T, K, EVEN_K, SCALE, XSTRIDE, XU, X_SWIGLU, lim)
     if PREFETCH:
@@ -390,7 +382,6 @@ class GemvConfig:
     mma: bool = False  # fp8_mma_kernel: bn rows x 16 tokens tensor-core tiles (bk ≤ 128 with block scales)
     stages: int = 3  # mma: k steps of weights in flight
     kacc: int = 0  # FMA kernel, > 0: [bn, kacc] accumulators, each thread summing its own bk/kacc columns first
-    l2: int = 0  # FMA kernel: k steps after the first prefetched into L2 before the PDL wait (a power of two)
 
 
 # Best measured on the H200 at the Ling-3.0-flash shapes, by (kind, T, N, K); docs/benchmarks.md has
@@ -511,27 +502,7 @@ def _gemv(x, w, s, y, pmax, pidx, scale_kind: int, out_kind: int, cfg: GemvConfi
     assert 128 % (cfg.bn * cfg.rs) == 0, "bn * rs must divide the 128-row scale block"
     fp8_gemv_kernel[grid](x, w, s, y, pmax, pidx, T=T, N=N, K=K, BN=cfg.bn, RS=cfg.rs, BK=bk, UNROLL=cfg.unroll,
                           SCALE=scale_kind, OUT=out_kind, SPLIT=split, PREFETCH=cfg.prefetch, ROW_ACC=cfg.row_acc,
-                          KACC=_kacc(cfg, bk), L2_STEPS=_l2_steps(cfg, w, bk, split), num_warps=cfg.warps, **extra,
-                          **pdl_args(x.device))
-
-
-L2_MAX_BYTES = 24 << 20  # weights larger than this are not prefetched into L2 (H200: 50 MB of it)
-
-
-def _l2_steps(cfg: GemvConfig, w: torch.Tensor, bk: int, split: int) -> int:
-    """The k steps each program prefetches into L2 before its PDL wait: cfg.l2 (SPARKCHAT_GEMV_L2_STEPS
-    overrides it, SPARKCHAT_GEMV_L2=0 turns it off), as a power of two of whole 128-byte lines, at most
-    the program's steps after its first, none for weights over L2_MAX_BYTES."""
-    want = int(os.environ.get("SPARKCHAT_GEMV_L2_STEPS", cfg.l2))
-    N, K = w.shape
-    nbytes = w.numel() * w.element_size()
-    limit = int(os.environ.get("SPARKCHAT_GEMV_L2_MAX_MB", L2_MAX_BYTES >> 20)) << 20
-    if want <= 0 or K % (split * bk) or nbytes > limit or not l2_prefetch_enabled("SPARKCHAT_GEMV_L2"):
-        return 0
-    steps = min(want, K // (split * bk) - 1)
-    if steps <= 0 or (bk * w.element_size()) % 128:
-        return 0
-    return 1 << (steps.bit_length() - 1)
+                          KACC=_kacc(cfg, bk), num_warps=cfg.warps, **extra, **pdl_args(x.device))
 
 
 def _kacc(cfg: GemvConfig, bk: int) -> int:
@@ -705,8 +676,8 @@ def plain_gemv_partials(x: torch.Tensor, w: torch.Tensor, config: GemvConfig | N
     part = torch.empty(split, T, N, dtype=torch.float32, device=x.device)
     fp8_gemv_kernel[(triton.cdiv(N, cfg.bn * cfg.rs), split)](
         x, w, w, part, part, part, T=T, N=N, K=K, BN=cfg.bn, RS=cfg.rs, BK=bk, UNROLL=cfg.unroll, SCALE=2,
-        SPLIT=split, PREFETCH=cfg.prefetch, ROW_ACC=cfg.row_acc, OUT=3, KACC=_kacc(cfg, bk),
-        L2_STEPS=_l2_steps(cfg, w, bk, split), num_warps=cfg.warps, **pdl_args(x.device))
+        SPLIT=split, PREFETCH=cfg.prefetch, ROW_ACC=cfg.row_acc, OUT=3, KACC=_kacc(cfg, bk), num_warps=cfg.warps,
+        **pdl_args(x.device))
     return part
 
 

@@ -41,7 +41,6 @@ import triton.language as tl
 
 from sparkchat.engine.kernels.counters import arrival_counters
 from sparkchat.engine.kernels.pdl import pdl_args, pdl_wait
-from sparkchat.engine.kernels.prefetch import l2_prefetch_enabled, prefetch_share, share_lines
 
 _MAG2 = tl.constexpr(0x01C001C0)  # e1 e0 m of two bf16 halves (bits 8:6 of each)
 _SIGN2 = tl.constexpr(-0x7FFF8000)  # 0x80008000 as int32: sign bit of each half
@@ -414,30 +413,20 @@ def _is_first(ids_ptr, e, s, S: tl.constexpr, S_PAD: tl.constexpr):
 
 @triton.jit
 def mxfp4_moe_stage1_kernel(
-    x_ptr, ids_ptr, rw_ptr, w13_ptr, s13_ptr, act_ptr, limit, w2_ptr, s2_ptr,
+    x_ptr, ids_ptr, rw_ptr, w13_ptr, s13_ptr, act_ptr, limit,
     T: tl.constexpr, K: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
     BN: tl.constexpr, RS: tl.constexpr, BKW: tl.constexpr, UNROLL: tl.constexpr,
     NT: tl.constexpr, K_PAD: tl.constexpr, S_PAD: tl.constexpr, DEDUPE: tl.constexpr, PREFETCH: tl.constexpr,
     PACKED: tl.constexpr = False, INTERPRET: tl.constexpr = False, PDL: tl.constexpr = False,
     PAIRED: tl.constexpr = False, ACT_PACKED: tl.constexpr = False, X_PACKED: tl.constexpr = False,
-    L2_DOWN: tl.constexpr = False, DOWN_LINES: tl.constexpr = 1, DOWN_SCALE_LINES: tl.constexpr = 1,
 ):
     """ACT_PACKED: act_ptr is bf16, written as _store_act_packed lays it out for stage 2 (PACKED only).
     X_PACKED (PACKED only): x_ptr is int32 [T, H/2], x already as the bf16x2 words _pack_x builds
-    (pack_moe_x's layout, written by the add+norm kernel before the MoE).
-    L2_DOWN: each program first asks L2 for its share of its expert's down-projection words and scales
-    (w2_ptr int32, s2_ptr uint8; kernels/prefetch.py), so stage 2, waiting behind this stage, reads them
-    from L2 while HBM, which this instruction-bound stage leaves half idle, has already fetched them."""
+    (pack_moe_x's layout, written by the add+norm kernel before the MoE)."""
     s = tl.program_id(0)  # slot t*K + k
     nb = tl.program_id(1)  # block of RS*BN gate rows (and the matching up rows)
     pdl_wait(PDL)  # the expert ids may come from the kernel just before: nothing to load earlier
     e = tl.load(ids_ptr + s).to(tl.int32)
-    if L2_DOWN:
-        DOWN_BYTES: tl.constexpr = H * (I // 2)
-        SCALE_BYTES: tl.constexpr = H * (I // 32)
-        BLOCKS: tl.constexpr = I // (RS * BN)
-        prefetch_share(w2_ptr + e.to(tl.int64) * (DOWN_BYTES // 4), DOWN_BYTES, nb, BLOCKS, DOWN_LINES)
-        prefetch_share(s2_ptr + e.to(tl.int64) * SCALE_BYTES, SCALE_BYTES, nb, BLOCKS, DOWN_SCALE_LINES)
     if DEDUPE:
         work = _is_first(ids_ptr, e, s, T * K, S_PAD)
     else:
@@ -547,13 +536,12 @@ class MoeConfig:
     prefetch: bool = False  # one-step software pipelining of the k loop
     packed: bool = False  # bf16x2 products (_WORD_DOT_ASM); one token per program, so not with dedupe
     packed_act: bool = False  # stage 1 writes act as stage 2's bf16x2 words (ignored unless packed)
-    l2_down: bool = False  # stage 1 prefetches its expert's down projection into L2 (SPARKCHAT_MOE_L2_DOWN=0: off)
 
 
 # Best measured on the H200 at the Ling-3.0-flash shape (H=2560, I=768, K=8); see docs/benchmarks.md.
 _TUNED: dict[tuple[int, int, int], MoeConfig] = {
     (1, 2560, 768): MoeConfig(bn1=16, rs1=1, bkw1=64, unroll1=2, warps1=4, bn2=32, rs2=1, bkw2=32, warps2=4,
-                              prefetch=True, l2_down=True),
+                              prefetch=True),
     (4, 2560, 768): MoeConfig(bn1=4, rs1=1, bkw1=32, unroll1=2, warps1=1, bn2=8, rs2=1, bkw2=32, warps2=1,
                               dedupe=False),
 }
@@ -678,7 +666,7 @@ def mxfp4_moe(
     launch = _plan(T, K, H, inter, cfg, paired, x_packed=use_xp)
     w13_i32, w2_i32 = w13.view(torch.int32), w2.view(torch.int32)
     launch.stage1(x_packed.view(torch.int32) if use_xp else x, topk_ids, topk_weights, w13_i32, w13_scale, ws.act,
-                  float(swiglu_limit), w2_i32, w2_scale)
+                  float(swiglu_limit))
     if join is not None:
         join()
     if add is not None:
@@ -696,11 +684,9 @@ class _Plan:
     meta1: dict
     meta2: dict
 
-    def stage1(self, x, ids, rw, w13_i32, s13, act, limit: float, w2_i32, s2) -> None:
-        """w2_i32, s2: the down projection's words and scales, which stage 1 may prefetch into L2."""
+    def stage1(self, x, ids, rw, w13_i32, s13, act, limit: float) -> None:
         act = act.view(torch.bfloat16) if self.meta1["ACT_PACKED"] else act  # the fp32 workspace, reused
-        mxfp4_moe_stage1_kernel[self.grid1](x, ids, rw, w13_i32, s13, act, limit, w2_i32, s2, **self.meta1,
-                                            **pdl_args(x.device))
+        mxfp4_moe_stage1_kernel[self.grid1](x, ids, rw, w13_i32, s13, act, limit, **self.meta1, **pdl_args(x.device))
 
     def stage2(self, act, ids, w2_i32, s2, part, count, out, add=None) -> None:
         act = act.view(torch.int32) if self.meta2["ACT_PACKED"] else act
@@ -717,14 +703,11 @@ def _plan(T: int, K: int, H: int, inter: int, cfg: MoeConfig, paired: bool = Fal
     common = dict(T=T, K=K, H=H, I=inter, NT=_pow2(T) if dedupe else 1, K_PAD=_pow2(K), S_PAD=_pow2(T * K),
                   DEDUPE=dedupe, PREFETCH=cfg.prefetch, PACKED=cfg.packed, INTERPRET=_interpreting(), PAIRED=paired,
                   ACT_PACKED=cfg.packed and cfg.packed_act)  # it feeds the bf16x2 stage 2 only
-    blocks1 = inter // (bn1 * rs1)
-    l2_down = cfg.l2_down and l2_prefetch_enabled("SPARKCHAT_MOE_L2_DOWN")
     return _Plan(
-        grid1=(T * K, blocks1),
+        grid1=(T * K, inter // (bn1 * rs1)),
         grid2=(H // (bn2 * rs2), T * K),
         meta1=dict(common, BN=bn1, RS=rs1, BKW=bkw1, UNROLL=cfg.unroll1, num_warps=cfg.warps1,
-                   X_PACKED=x_packed and cfg.packed, L2_DOWN=l2_down,
-                   DOWN_LINES=share_lines(H * inter // 2, blocks1), DOWN_SCALE_LINES=share_lines(H * inter // 32, blocks1)),
+                   X_PACKED=x_packed and cfg.packed),
         meta2=dict(common, BN=bn2, RS=rs2, BKW=bkw2, UNROLL=cfg.unroll2, num_warps=cfg.warps2),
     )
 
