@@ -228,6 +228,34 @@ def test_fp8_block_gemv_add_norm_gpu(T):
 
 
 @gpu
+@pytest.mark.parametrize("T", [1, 4])
+def test_fused_add_norm_matches_two_launches_gpu(T, monkeypatch):
+    """The output projection with the add+norm in its own last programs (one launch) against the GEMV
+    plus the add+norm kernel, at the Ling shape: the same sum, the norm but for the squares' summation
+    order, the MoE's packed form of it, and the arrival counters back at zero."""
+    from sparkchat.engine.kernels import fp8_gemv
+    from sparkchat.engine.kernels.counters import arrival_counters
+    from sparkchat.engine.kernels.mxfp4_moe import pack_moe_x
+    monkeypatch.setattr(fp8_gemv, "FUSED_ADD_NORM_MAX_TOKENS", 8)
+    gen = torch.Generator().manual_seed(11 + T)
+    w, si = make_fp8(2560, 4096, "cuda", gen)
+    nw = (torch.rand(2560, generator=gen) + 0.5).bfloat16().cuda()
+    for _ in range(2):
+        x = torch.randn(T, 4096, generator=gen).bfloat16().cuda()
+        res = (torch.randn(T, 2560, generator=gen) * 2).bfloat16().cuda()
+        monkeypatch.setenv("SPARKCHAT_FUSED_ADD_NORM", "0")
+        s2, h2 = fp8_gemv.fp8_block_gemv_add_norm(x, w, si, res, nw, 1e-6, moe_x=True)
+        monkeypatch.setenv("SPARKCHAT_FUSED_ADD_NORM", "1")
+        s1, h1 = fp8_gemv.fp8_block_gemv_add_norm(x, w, si, res, nw, 1e-6, moe_x=True)
+        assert torch.equal(s1, s2)
+        assert (h1 == h2).float().mean().item() > 0.99 and rel_err(h1, h2) < 1e-2
+        assert torch.equal(h1.moe_x, pack_moe_x(h1))
+        if T > 1:
+            assert torch.equal(h1.f16_acts[0], h2.f16_acts[0]) or (h1 != h2).any()
+    assert arrival_counters("gemv_add_norm", torch.device("cuda"), 1).eq(0).all()
+
+
+@gpu
 @pytest.mark.parametrize("T,N", [(1, 2560), (4, 2560), (5, 2560), (3, 200)])
 def test_add_rms_norm_gpu(T, N):
     """The residual add + RMSNorm kernel against ops.add_rms_norm: the sum is exact, the norm within one
@@ -510,6 +538,51 @@ _MMA_SCRIPT = textwrap.dedent("""
             assert torch.equal(fp8_head_argmax(x, w, scale, config=cfg), want.argmax(-1)), (T, cfg)
     print("interpreter ok")
 """)
+
+
+_FUSED_ADD_NORM_SCRIPT = textwrap.dedent("""
+    import os
+    import torch
+    from sparkchat.engine.kernels import GemvConfig, fp8_gemv
+    from sparkchat.engine.kernels.fp8_gemv import f16_block_acts, fp8_block_gemv_add_norm
+    fp8_gemv.FUSED_ADD_NORM_MAX_TOKENS = 8  # the tail serves any window; the engine fuses one token
+    from sparkchat.engine.kernels.mxfp4_moe import pack_moe_x
+    from tests.test_kernels import make_fp8, rel_err
+    gen = torch.Generator().manual_seed(3)
+    for N, K in ((256, 512), (136, 1024)):
+        w, si = make_fp8(N, K, gen=gen)
+        nw = (torch.rand(N, generator=gen) + 0.5).bfloat16()
+        for T in (1, 3):
+            x = torch.randn(T, K, generator=gen).bfloat16()
+            res = (torch.randn(T, N, generator=gen) * 2).bfloat16()
+            for cfg in (GemvConfig(bn=8, rs=1, bk=128, split=4, kacc=16), GemvConfig(bn=16, rs=2, bk=64, split=2),
+                        GemvConfig(bn=8, rs=1, bk=128, split=1, row_acc=True)):
+                os.environ["SPARKCHAT_FUSED_ADD_NORM"] = "0"
+                s2, h2 = fp8_block_gemv_add_norm(x, w, si, res, nw, 1e-6, config=cfg, moe_x=True)
+                os.environ["SPARKCHAT_FUSED_ADD_NORM"] = "1"
+                s1, h1 = fp8_block_gemv_add_norm(x, w, si, res, nw, 1e-6, config=cfg, moe_x=True)
+                assert torch.equal(s1, s2), (N, T, cfg)  # the same partials summed in the same order
+                # only the order the squares are summed in differs
+                assert (h1 == h2).float().mean() > 0.95 and rel_err(h1, h2) < 1e-2, (N, T, cfg)
+                assert torch.equal(h1.moe_x, pack_moe_x(h1))
+                if T > 1 and N % 128 == 0:
+                    h16, hd = f16_block_acts(h1)
+                    assert torch.equal(h1.f16_acts[0], h16) and torch.equal(h1.f16_acts[1], hd)
+                else:
+                    assert not hasattr(h1, "f16_acts")
+                wrong = fp8_block_gemv_add_norm(x, w, si, res, nw * 2, 1e-6, config=cfg)[1]
+                assert not torch.equal(wrong, h1)  # the norm weight is applied
+    print("interpreter ok")
+""")
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+def test_fused_add_norm_under_triton_interpreter():
+    """The output projection's GEMV doing the residual add and RMSNorm in its own last programs against
+    the two-launch path: the same sum, the same norm but for the squares' summation order, and the
+    tensor-core (F16) and MoE (packed) forms of the norm exactly as their twins make them; every call
+    in the loop reuses the arrival counters, so they must come back to zero."""
+    _run_interpreted(_FUSED_ADD_NORM_SCRIPT)
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")

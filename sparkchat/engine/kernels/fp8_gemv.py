@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from sparkchat.engine.kernels.counters import arrival_counters
 from sparkchat.engine.kernels.mxfp4_moe import _store_act_packed
 from sparkchat.engine.kernels.pdl import pdl_args, pdl_wait
 
@@ -134,6 +135,10 @@ def fp8_gemv_kernel(
     lim=float("inf"),  # X_SWIGLU: the clamp (inf: none)
     PDL: tl.constexpr = False,  # programmatic dependent launch (kernels/pdl.py)
     KACC: tl.constexpr = 0,  # > 0: [BN, KACC] accumulators (_gemv_step)
+    ADD_NORM: tl.constexpr = False,  # OUT 3: then the residual add and RMSNorm (_add_norm_tail)
+    cnt_ptr=None, res_ptr=None, nw_ptr=None, s_out_ptr=None, h_ptr=None, ssq_ptr=None, eps=0.0,
+    h16_ptr=None, hd_ptr=None, F16: tl.constexpr = False, hx_ptr=None, MOE_X: tl.constexpr = False,
+    INTERPRET: tl.constexpr = False,
 ):
     """Rows [pid*RS*BN, +RS*BN) of y = x @ w.T for T tokens, over this program's share of K. The
     program holds RS row tiles of [BN, BK] fp8 per k step; each token's activation chunk is loaded
@@ -210,6 +215,9 @@ def fp8_gemv_kernel(
         if OUT == 2:
             tl.store(pmax_ptr + t * NP + pid, bv)
             tl.store(pidx_ptr + t * NP + pid, bi)
+    if ADD_NORM:
+        _add_norm_tail(y_ptr, cnt_ptr, res_ptr, nw_ptr, s_out_ptr, h_ptr, ssq_ptr, eps, h16_ptr, hd_ptr, hx_ptr,
+                       pid, r0, sub, T, N, BN, RS, SPLIT, F16, MOE_X, INTERPRET)
 
 
 @triton.jit
@@ -310,6 +318,84 @@ def splitk_reduce_kernel(part_ptr, s_ptr, y_ptr, TN: tl.constexpr, N: tl.constex
         tl.store(y_ptr + i, acc.to(tl.bfloat16), mask=m)
     else:
         tl.store(y_ptr + i, acc, mask=m)
+
+
+@triton.jit
+def _add_norm_tail(part_ptr, cnt_ptr, res_ptr, nw_ptr, s_out_ptr, h_ptr, ssq_ptr, eps, h16_ptr, hd_ptr, hx_ptr,
+                   pid, r0, sub, T: tl.constexpr, N: tl.constexpr, BN: tl.constexpr, RS: tl.constexpr,
+                   SPLIT: tl.constexpr, F16: tl.constexpr, MOE_X: tl.constexpr, INTERPRET: tl.constexpr):
+    """splitk_add_norm_kernel's work, done by the GEMV's own programs so that the output projection and
+    the add+norm after it are one launch. The last split of each row block to finish (arrival counter
+    pid) sums its rows' partials in split order, adds the residual (s = bf16(residual + bf16(y))) and
+    writes s and each row tile's sum of squares; the last row block to finish (counter NP) then turns s
+    into h = w * bf16(s * rsqrt(mean(s²) + eps)) for all N columns (and h's F16 / MOE_X forms). Both
+    counters are reset by the program that reads them. Same roundings as the two-launch path; only the
+    order in which the squares are summed differs."""
+    NP: tl.constexpr = (N + RS * BN - 1) // (RS * BN)  # row blocks
+    tl.debug_barrier()  # this program's partial stores -> the release below
+    done = tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel", scope="gpu")
+    if done == SPLIT - 1:
+        tl.debug_barrier()
+        NSQ: tl.constexpr = NP * RS
+        for t in tl.static_range(T):
+            for r in tl.static_range(RS):
+                rows = r0 + r * BN + sub
+                m = rows < N
+                y = tl.load(part_ptr + t * N + rows, mask=m, other=0.0, cache_modifier=".cg")
+                for p in tl.static_range(1, SPLIT):
+                    y += tl.load(part_ptr + (p * T + t) * N + rows, mask=m, other=0.0, cache_modifier=".cg")
+                res = tl.load(res_ptr + t * N + rows, mask=m, other=0.0).to(tl.float32)
+                sv = (res + y.to(tl.bfloat16).to(tl.float32)).to(tl.bfloat16)
+                tl.store(s_out_ptr + t * N + rows, sv, mask=m)
+                sf = sv.to(tl.float32)
+                tl.store(ssq_ptr + t * NSQ + pid * RS + r, tl.sum(sf * sf, axis=0))
+        tl.store(cnt_ptr + pid, 0)
+        tl.debug_barrier()  # s and the sums of squares -> the release below
+        last = tl.atomic_add(cnt_ptr + NP, 1, sem="acq_rel", scope="gpu")
+        if last == NP - 1:
+            tl.debug_barrier()
+            _norm_rows(s_out_ptr, ssq_ptr, nw_ptr, h_ptr, eps, h16_ptr, hd_ptr, hx_ptr, NSQ, T, N, F16, MOE_X,
+                       INTERPRET)
+            tl.store(cnt_ptr + NP, 0)
+
+
+@triton.jit
+def _norm_rows(s_ptr, ssq_ptr, nw_ptr, h_ptr, eps, h16_ptr, hd_ptr, hx_ptr, NSQ: tl.constexpr, T: tl.constexpr,
+               N: tl.constexpr, F16: tl.constexpr, MOE_X: tl.constexpr, INTERPRET: tl.constexpr):
+    """h = w * bf16(s * rsqrt(sum of the NSQ partial sums of squares / N + eps)) for each token, in
+    chunks of 512 columns whose loads are all issued before any is used."""
+    CH: tl.constexpr = 512
+    NC: tl.constexpr = (N + CH - 1) // CH
+    NB: tl.constexpr = CH // SCALE_BLOCK
+    i = tl.arange(0, CH)
+    QB: tl.constexpr = 512
+    q = tl.arange(0, QB)
+    for t in tl.static_range(T):
+        ssq = tl.zeros([QB], dtype=tl.float32)
+        for q0 in tl.static_range(0, NSQ, QB):
+            ssq += tl.load(ssq_ptr + t * NSQ + q0 + q, mask=q0 + q < NSQ, other=0.0, cache_modifier=".cg")
+        ss = ()
+        ws = ()
+        for c in tl.static_range(NC):
+            m = c * CH + i < N
+            ss = ss + (tl.load(s_ptr + t * N + c * CH + i, mask=m, other=0.0, cache_modifier=".cg"),)
+            ws = ws + (tl.load(nw_ptr + c * CH + i, mask=m, other=0.0),)
+        inv = tl.rsqrt(tl.sum(ssq, axis=0) / N + eps)
+        for c in tl.static_range(NC):
+            cols = c * CH + i
+            m = cols < N
+            h = (ws[c].to(tl.float32) * (ss[c].to(tl.float32) * inv).to(tl.bfloat16).to(tl.float32)).to(tl.bfloat16)
+            tl.store(h_ptr + t * N + cols, h, mask=m)
+            if F16:
+                hb = tl.reshape(h.to(tl.float32), [NB, SCALE_BLOCK])
+                e = tl.maximum((tl.max(tl.abs(hb), axis=1).to(tl.int32, bitcast=True) >> 23) & 0xFF, 16)
+                up = ((268 - e) << 23).to(tl.float32, bitcast=True)  # as splitk_add_norm_kernel's
+                tl.store(h16_ptr + t * N + cols, tl.reshape((hb * up[:, None]).to(tl.float16), [CH]), mask=m)
+                b = c * NB + tl.arange(0, NB)
+                tl.store(hd_ptr + t * ((N + SCALE_BLOCK - 1) // SCALE_BLOCK) + b,
+                         ((e - 14) << 23).to(tl.float32, bitcast=True), mask=b * SCALE_BLOCK < N)
+            if MOE_X:
+                _store_act_packed(hx_ptr + t * N, cols, h.to(tl.float32), m, INTERPRET)
 
 
 @triton.jit
@@ -567,7 +653,8 @@ def fp8_block_gemv_add_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A layer's output projection and what follows it: s = residual + x @ w.T (bf16), then RMSNorm(s)
     with weight norm_w -> (s, norm(s)), both bf16 [T, N]: ops.add_rms_norm(residual, fp8_block_gemv(x,
-    w, scale_inv), norm_w, eps) in two launches, the add and the norm done by the split-K reduce.
+    w, scale_inv), norm_w, eps) in one launch of the FMA kernel (its last programs add and norm:
+    _add_norm_tail), else in two, the add and the norm done by the split-K reduce.
     moe_x (a MoE layer follows): the norm also comes as pack_moe_x(norm(s)), attached as `.moe_x`."""
     T, N, K = _check_x_w(x, w)
     assert scale_inv.dtype == torch.float32 and scale_inv.is_contiguous()
@@ -577,13 +664,29 @@ def fp8_block_gemv_add_norm(
     bk = min(cfg.bk, _pow2(K))
     split = _split_for(K, bk, cfg.split)
     part = torch.empty(split, T, N, dtype=torch.float32, device=x.device)
-    _gemv(x, w, scale_inv, part, part, part, 0, 3, cfg, bk, split)
     s_out = torch.empty_like(residual)
     h = torch.empty_like(residual)
+    if not cfg.mma and T <= FUSED_ADD_NORM_MAX_TOKENS and fused_add_norm_enabled():  # one launch
+        blocks = triton.cdiv(N, cfg.bn * cfg.rs)
+        ssq = torch.empty(T, blocks * cfg.rs, dtype=torch.float32, device=x.device)
+        _gemv(x, w, scale_inv, part, part, part, 0, 3, cfg, bk, split, ADD_NORM=True,
+              cnt_ptr=arrival_counters("gemv_add_norm", x.device, blocks + 1), res_ptr=residual, nw_ptr=norm_w,
+              s_out_ptr=s_out, h_ptr=h, ssq_ptr=ssq, eps=float(eps), **_f16_outputs(h), **_moe_x_output(h, moe_x))
+        return s_out, h
+    _gemv(x, w, scale_inv, part, part, part, 0, 3, cfg, bk, split)
     splitk_add_norm_kernel[(T,)](part, residual, norm_w, s_out, h, float(eps), N=N, T=T, SPLIT=split,
                                  BLOCK=_pow2(N), num_warps=8, **_f16_outputs(h), **_moe_x_output(h, moe_x),
                                  **pdl_args(x.device))
     return s_out, h
+
+
+FUSED_ADD_NORM_MAX_TOKENS = 1  # the tail's registers (4-token o_proj: 80 -> 128) would halve the verify's programs an SM
+
+
+def fused_add_norm_enabled() -> bool:
+    """Output projections with the add+norm in the GEMV's own launch (SPARKCHAT_FUSED_ADD_NORM=0: a
+    second, one-program launch does it)."""
+    return os.environ.get("SPARKCHAT_FUSED_ADD_NORM", "1") != "0"
 
 
 def add_rms_norm(x: torch.Tensor, h: torch.Tensor, norm_w: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
