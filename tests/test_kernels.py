@@ -236,7 +236,7 @@ def test_fused_add_norm_matches_two_launches_gpu(T, monkeypatch):
     from sparkchat.engine.kernels import fp8_gemv
     from sparkchat.engine.kernels.counters import arrival_counters
     from sparkchat.engine.kernels.mxfp4_moe import pack_moe_x
-    monkeypatch.setattr(fp8_gemv, "FUSED_ADD_NORM_MAX_TOKENS", 8)
+    monkeypatch.setattr(fp8_gemv, "FUSED_ADD_NORM_MIN_TOKENS", 1)
     gen = torch.Generator().manual_seed(11 + T)
     w, si = make_fp8(2560, 4096, "cuda", gen)
     nw = (torch.rand(2560, generator=gen) + 0.5).bfloat16().cuda()
@@ -545,7 +545,7 @@ _FUSED_ADD_NORM_SCRIPT = textwrap.dedent("""
     import torch
     from sparkchat.engine.kernels import GemvConfig, fp8_gemv
     from sparkchat.engine.kernels.fp8_gemv import f16_block_acts, fp8_block_gemv_add_norm
-    fp8_gemv.FUSED_ADD_NORM_MAX_TOKENS = 8  # the tail serves any window; the engine fuses one token
+    fp8_gemv.FUSED_ADD_NORM_MIN_TOKENS = 1  # the tail serves any window; the engine fuses verify windows
     from sparkchat.engine.kernels.mxfp4_moe import pack_moe_x
     from tests.test_kernels import make_fp8, rel_err
     gen = torch.Generator().manual_seed(3)

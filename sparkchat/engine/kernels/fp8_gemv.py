@@ -666,7 +666,7 @@ def fp8_block_gemv_add_norm(
     part = torch.empty(split, T, N, dtype=torch.float32, device=x.device)
     s_out = torch.empty_like(residual)
     h = torch.empty_like(residual)
-    if not cfg.mma and T <= FUSED_ADD_NORM_MAX_TOKENS and fused_add_norm_enabled():  # one launch
+    if not cfg.mma and T >= FUSED_ADD_NORM_MIN_TOKENS and fused_add_norm_enabled():  # one launch
         blocks = triton.cdiv(N, cfg.bn * cfg.rs)
         ssq = torch.empty(T, blocks * cfg.rs, dtype=torch.float32, device=x.device)
         _gemv(x, w, scale_inv, part, part, part, 0, 3, cfg, bk, split, ADD_NORM=True,
@@ -680,7 +680,10 @@ def fp8_block_gemv_add_norm(
     return s_out, h
 
 
-FUSED_ADD_NORM_MAX_TOKENS = 1  # the tail's registers (4-token o_proj: 80 -> 128) would halve the verify's programs an SM
+# Measured on the H200 (docs/benchmarks.md, session 12): the graphed 4-token verify 0.1 ms faster fused,
+# the one-token step 0.01 ms slower (its GEMV's registers go from 56 to 80 for the tail), so one token
+# keeps the two launches.
+FUSED_ADD_NORM_MIN_TOKENS = 2
 
 
 def fused_add_norm_enabled() -> bool:

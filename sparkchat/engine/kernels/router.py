@@ -3,9 +3,7 @@
 The router logits come from one split-K GEMV (`plain_gemv_partials`, fp32 sums of the bf16 input);
 this kernel adds its partials in a fixed order and does everything after — sigmoid, expert bias, each
 group's top-2 sum, the top groups, the top-k experts inside them, renormalization and scaling — in
-registers: two launches per MoE layer where the torch path takes a dozen (two sorts among them). A
-single token (the decode step) takes one launch, `route_fused_kernel`: the logits' split-K GEMV whose
-last program to finish does the same top-k — one kernel fewer in each MoE layer's dependent chain.
+registers: two launches per MoE layer where the torch path takes a dozen (two sorts among them).
 Latency-bound (one warp, one token: a chain of dependent steps), so each step is shaped for a short chain:
 - the top groups in one step: a group is kept when fewer than TG groups beat it (all pairs compared
   at once), not TG dependent picks;
@@ -27,7 +25,6 @@ import torch
 import triton
 import triton.language as tl
 
-from sparkchat.engine.kernels.counters import arrival_counters
 from sparkchat.engine.kernels.fp8_gemv import GemvConfig, plain_gemv_partials
 from sparkchat.engine.kernels.pdl import pdl_args, pdl_wait
 
@@ -50,27 +47,8 @@ def _ordered(x):
 def route_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, scaling,
                  E: tl.constexpr, G: tl.constexpr, TG: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
                  RENORM: tl.constexpr, T: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr = False):
+    t = tl.program_id(0)
     pdl_wait(PDL)
-    _route_token(logits_ptr, bias_ptr, ids_ptr, w_ptr, scaling, tl.program_id(0), E, G, TG, K, KP, RENORM, T,
-                 SPLIT, "")
-
-
-@triton.jit
-def _logits(logits_ptr, offs, t, E: tl.constexpr, T: tl.constexpr, SPLIT: tl.constexpr, mask,
-            CACHE: tl.constexpr):
-    """Token t's logits at `offs`: the GEMV's split-K partial sums, added in a fixed order."""
-    v = tl.load(logits_ptr + t * E + offs, mask=mask, other=0.0, cache_modifier=CACHE)
-    for p in tl.static_range(1, SPLIT):
-        v += tl.load(logits_ptr + (p * T + t) * E + offs, mask=mask, other=0.0, cache_modifier=CACHE)
-    return v
-
-
-@triton.jit
-def _route_token(logits_ptr, bias_ptr, ids_ptr, w_ptr, scaling, t, E: tl.constexpr, G: tl.constexpr,
-                 TG: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, RENORM: tl.constexpr, T: tl.constexpr,
-                 SPLIT: tl.constexpr, CACHE: tl.constexpr):
-    """Token t's top-k ids and weights from its logit partials (CACHE: their loads' cache modifier;
-    ".cg" where other programs of the same launch wrote them)."""
     GS: tl.constexpr = E // G
     # [E] as [R, L, V]: V consecutive experts per lane (the loads' 16-byte vectors), L lanes, R repeats,
     # so that axes 0 and 2 are inside a thread: a lane's candidates reduce without data movement
@@ -78,7 +56,9 @@ def _route_token(logits_ptr, bias_ptr, ids_ptr, w_ptr, scaling, t, E: tl.constex
     L: tl.constexpr = E // V if E // V < 32 else 32
     R: tl.constexpr = E // (L * V)
     ar = tl.arange(0, E)
-    logit = _logits(logits_ptr, ar, t, E, T, SPLIT, ar < E, CACHE)
+    logit = tl.load(logits_ptr + t * E + ar)
+    for p in tl.static_range(1, SPLIT):  # the GEMV's split-K partial sums, added in a fixed order
+        logit += tl.load(logits_ptr + (p * T + t) * E + ar)
     c = tl.sigmoid(logit) + tl.load(bias_ptr + ar)
     c2 = tl.reshape(c, (G, GS))
     # each group's two best in one reduction of (best, second) pairs: no argmax and no second pass
@@ -112,63 +92,14 @@ def _route_token(logits_ptr, bias_ptr, ids_ptr, w_ptr, scaling, t, E: tl.constex
     # the weights: the chosen experts' logits reloaded (cache hits) and summed in the same order as above,
     # so bit-identical to their scores, instead of one more reduction (a masked sum) per pick
     kmask = kr < K
-    li = _logits(logits_ptr, ids, t, E, T, SPLIT, kmask, CACHE)
+    li = tl.load(logits_ptr + t * E + ids, mask=kmask, other=0.0)
+    for p in tl.static_range(1, SPLIT):
+        li += tl.load(logits_ptr + (p * T + t) * E + ids, mask=kmask, other=0.0)
     ws = tl.where(kmask, tl.sigmoid(li), 0.0)
     if RENORM:
         ws = ws / (tl.sum(ws, axis=0) + 1e-20)
     tl.store(ids_ptr + t * K + kr, ids.to(tl.int64), mask=kmask)
     tl.store(w_ptr + t * K + kr, ws * scaling, mask=kmask)
-
-
-@triton.jit
-def route_fused_kernel(x_ptr, wt_ptr, part_ptr, cnt_ptr, bias_ptr, ids_ptr, w_ptr, scaling,
-                       H: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                       E: tl.constexpr, G: tl.constexpr, TG: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
-                       RENORM: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr = False):
-    """One token's routing in one launch. Program (n, s) computes the logits of experts [n*BN, +BN) over
-    columns [s*H/SPLIT, +H/SPLIT) — its whole share of the router weight loaded before the PDL wait, so
-    the 2.6 MB stream while the add+norm before it runs — and writes them as split-K partials; the last
-    program to finish (arrival counter, reset by it) adds them up and does route_kernel's top-k."""
-    n = tl.program_id(0)
-    sp = tl.program_id(1)
-    KS: tl.constexpr = H // SPLIT
-    rows = n * BN + tl.arange(0, BN)
-    kk = tl.arange(0, BK)
-    ws = ()
-    for i in tl.static_range(KS // BK):
-        ws = ws + (tl.load(wt_ptr + rows[:, None] * H + (sp * KS + i * BK + kk)[None, :]),)
-    pdl_wait(PDL)
-    acc = tl.zeros([BN], dtype=tl.float32)
-    for i in tl.static_range(KS // BK):
-        xv = tl.load(x_ptr + sp * KS + i * BK + kk).to(tl.float32)
-        acc += tl.sum(ws[i].to(tl.float32) * xv[None, :], axis=1)
-    tl.store(part_ptr + sp * E + rows, acc)
-    # the last program of the launch routes (stores above -> barrier -> release; acquire -> loads)
-    tl.debug_barrier()
-    done = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
-    if done == (E // BN) * SPLIT - 1:
-        tl.debug_barrier()
-        _route_token(part_ptr, bias_ptr, ids_ptr, w_ptr, scaling, 0, E, G, TG, K, KP, RENORM, 1, SPLIT, ".cg")
-        tl.store(cnt_ptr, 0)  # ready for the next launch
-
-
-def _fused_shape(E: int, H: int) -> tuple[int, int, int] | None:
-    """(BN, BK, SPLIT) of route_fused_kernel for E experts over H columns: 16 experts a program, k steps
-    of up to 128 columns, the most splits up to 10 (the Ling shape: 32 x 10 programs of 16 x 256); None
-    when H has no power-of-two step of at least 16 columns."""
-    bk = 128
-    while bk >= 16 and H % bk:
-        bk //= 2
-    if bk < 16:
-        return None
-    steps = H // bk
-    split = max(s for s in range(1, 11) if steps % s == 0)
-    return min(16, E), bk, split
-
-
-def route_fused_enabled() -> bool:
-    """The one-launch routing for single tokens (SPARKCHAT_ROUTE_FUSED=0: the GEMV, then route_kernel)."""
-    return os.environ.get("SPARKCHAT_ROUTE_FUSED", "1") != "0"
 
 
 def _interpreting() -> bool:
@@ -185,19 +116,6 @@ def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, groups: int
     T, E = x.shape[0], weight.shape[0]
     assert E % groups == 0 and (E & (E - 1)) == 0 and (groups & (groups - 1)) == 0, "power-of-two E and groups"
     assert weight.dtype in (torch.float32, torch.bfloat16) and bias.dtype == torch.float32 and bias.shape == (E,)
-    shape = _fused_shape(E, x.shape[1])
-    if (T == 1 and x.dtype == torch.bfloat16 and (x.is_cuda or _interpreting()) and shape is not None
-            and gemv is None and route_fused_enabled()):
-        bn, bk, split = shape
-        part = torch.empty(split, E, dtype=torch.float32, device=x.device)
-        ids = torch.empty(1, top_k, dtype=torch.int64, device=x.device)
-        w = torch.empty(1, top_k, dtype=torch.float32, device=x.device)
-        route_fused_kernel[(E // bn, split)](
-            x.contiguous(), weight.contiguous(), part, arrival_counters("route", x.device, 1), bias, ids, w,
-            float(scaling), H=x.shape[1], BN=bn, BK=bk, E=E, G=groups, TG=top_groups, K=top_k,
-            KP=triton.next_power_of_2(top_k), RENORM=renormalize, SPLIT=split, num_warps=num_warps or ROUTE_WARPS,
-            **pdl_args(x.device))
-        return ids, w
     if T <= 8 and x.dtype == torch.bfloat16 and (x.is_cuda or _interpreting()):
         logits = plain_gemv_partials(x.contiguous(), weight, gemv)  # [S, T, E]: summed below, in order
     else:
