@@ -137,6 +137,40 @@ def test_graph_capture_leaves_written_cache_rows_alone(model_dirs):
     assert torch.equal(st.mtp.latent[:n], mtp_rows)
 
 
+def test_greedy_draft_chain_matches_step_by_step(model_dirs, monkeypatch):
+    """A greedy draft as one graph (catch-up plus k-1 steps fed their predecessor's argmax on the
+    device) drafts the very tokens the step-by-step replays draft, with the full and a truncated head."""
+    from sparkchat.engine.events import SamplingParams, Switches
+    from sparkchat.engine.generate import Decoder
+    from sparkchat.engine.graphs import StepGraphs
+    from sparkchat.engine.session import Engine
+
+    engine = Engine.load(model_dirs["agree"], device="cuda", dtype="bfloat16", max_context=512,
+                         quantize_experts=True)
+    engine.set_switches(Switches(mtp=True, fp8_head=False, mxfp4_kernels=True, cuda_graphs=False))
+    engine._apply_switches()
+    engine.reset()
+    st = engine.state
+    prompt = list(range(5, 40))
+    Decoder(engine.model, st).forward(prompt)
+    st.token_ids.extend(prompt)
+    n = st.length
+    head = engine.model.lm_head
+    for rows in (None, list(range(3, 300, 2))):
+        head.set_draft_rows(rows)
+        dec = Decoder(engine.model, st, StepGraphs(engine.model, st))
+        drafted = {}
+        for chain in ("0", "1", "1"):  # the chain twice: captured, then replayed
+            monkeypatch.setenv("SPARKCHAT_DRAFT_CHAIN", chain)
+            st.mtp_length = n - 2  # a two-slot catch-up, as after a verify that accepted one draft
+            tokens, q = dec.draft(9, 3, SamplingParams(temperature=0.0), None)
+            assert q is None and st.mtp_length == n
+            drafted.setdefault(chain, []).append(tokens)
+        assert drafted["1"][0] == drafted["1"][1] == drafted["0"][0], (rows, drafted)
+        assert rows is None or all(t in rows for t in drafted["1"][0])
+    head.set_draft_rows(None)
+
+
 def test_verify_windows_on_the_tensor_core_gemv(model_dirs, monkeypatch):
     """The tiny model's FP8 linears and head through fp8_mma_kernel wherever a window has several tokens
     (the full model's rule picks it only for ≥ 4096 rows): speculative decoding stays lossless against

@@ -12,6 +12,7 @@ draft step feeds the MTP layer's own output (after its `final_layernorm`) and th
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -103,6 +104,20 @@ class Decoder:
         m = self.model.draft(ids, hidden, start, st.mtp, span=self._span(start, len(next_ids)))[-1:]
         return m, self.model.draft_logits(m)  # the very same head module as the target
 
+    def _chain_ok(self, k: int) -> bool:
+        """Whether a greedy draft runs as one graph (SPARKCHAT_DRAFT_CHAIN=0: a replay per step)."""
+        st = self.state
+        return (self.graphs is not None and k > 0 and st.length - st.mtp_length <= self.GRAPH_MAX_TOKENS
+                and os.environ.get("SPARKCHAT_DRAFT_CHAIN", "1") != "0")
+
+    def _draft_chain(self, pending: int, k: int) -> list[int]:
+        """mtp_catch_up and k greedy draft steps as one graph replay: one host sync for all k tokens."""
+        st = self.state
+        n, start = st.length, st.mtp_length
+        next_ids = st.token_ids[start + 1:n] + [pending]
+        st.mtp_length = n
+        return self.graphs.replay_draft_chain(next_ids, start, st.hidden[start:n], k).tolist()
+
     def draft(self, pending: int, k: int, params: SamplingParams,
               gen: torch.Generator | None) -> tuple[list[int], torch.Tensor | None]:
         """k draft tokens after `pending`, and their draft distributions [k, V] when sampling.
@@ -112,6 +127,8 @@ class Decoder:
         0 for every other token. The acceptance rule stays exact for any draft distribution: a token
         the draft cannot propose is simply never accepted as a draft, and the residual (p − q)+ a
         rejection resamples from keeps the target's whole mass on it."""
+        if params.temperature <= 0 and self._chain_ok(k):
+            return self._draft_chain(pending, k), None
         m, logits = self.mtp_catch_up(pending)
         rows = self.model.lm_head.draft_ids  # None: the draft's logits cover the whole vocabulary
         tokens: list[int] = []

@@ -1,4 +1,6 @@
-"""CUDA graphs for the fixed-shape steps: decode (1 token), verify (k+1 tokens) and the MTP draft step.
+"""CUDA graphs for the fixed-shape steps: decode (1 token), verify (k+1 tokens), the MTP draft step,
+and a greedy draft's whole chain (its catch-up and k-1 more steps, each fed the previous one's argmax on
+the device: one replay and one host sync for k drafts, where step by step took k of each).
 
 Each graph is captured once per (step kind, token count, context bucket) against the conversation
 state's own tensors, so replaying it updates that state in place. Positions live in a device buffer
@@ -52,33 +54,45 @@ class StepGraphs:
         """Forget every graph (the kernels they call changed: a switch was flipped)."""
         self.graphs.clear()
 
-    def _run(self, kind: str, c: _Captured, bucket: int, keep_steps: bool) -> tuple[Any, ...]:
-        span = Span(c.pos, bucket)
+    def _run(self, kind: str, c: _Captured, bucket: int, keep_steps: bool, chain: int = 0) -> tuple[Any, ...]:
         m = self.model
         if kind == "target":
-            hidden, kept = m(c.ids, 0, self.state, keep_steps=keep_steps, span=span)
+            hidden, kept = m(c.ids, 0, self.state, keep_steps=keep_steps, span=Span(c.pos, bucket))
             return hidden, m.lm_head(hidden), kept
+        T = c.ids.shape[0]
         with torch.inference_mode():
-            h = m.mtp(m.embed_tokens(c.ids), c.hidden_in, span, self.state.mtp, m.rotary)
-            return h, m.draft_logits(h[-1:])  # a catch-up over several slots drafts from its last only
+            h = m.mtp(m.embed_tokens(c.ids), c.hidden_in, Span(c.pos[:T], bucket), self.state.mtp, m.rotary)
+            if kind == "draft":
+                return h, m.draft_logits(h[-1:])  # a catch-up over several slots drafts from its last only
+            h = h[-1:]
+            rows = m.lm_head.draft_ids  # the truncated draft head's vocabulary ids, or None
+            tokens = []
+            for j in range(chain):
+                if j:
+                    prev = tokens[-1].view(1)
+                    h = m.mtp(m.embed_tokens(prev), h, Span(c.pos[T + j - 1:T + j], bucket), self.state.mtp, m.rotary)
+                best = m.draft_logits(h)[0].argmax()  # as Decoder.draft picks a greedy token
+                tokens.append(best if rows is None else rows[best])
+            return (torch.stack(tokens),)
 
-    def _capture(self, kind: str, T: int, bucket: int, keep_steps: bool, start: int) -> _Captured:
+    def _capture(self, kind: str, T: int, bucket: int, keep_steps: bool, start: int, chain: int = 0) -> _Captured:
         H = self.model.cfg.hidden_size
         # Capture runs at the step's own positions: the cache rows it writes there are rewritten by the
         # real step right after (at position 0 it would clobber the conversation's first row).
+        slots = T + max(chain - 1, 0)  # a chain's later steps sit one position after another
         c = _Captured(torch.cuda.CUDAGraph(), torch.zeros(T, dtype=torch.long, device=self.device),
-                      torch.arange(start, start + T, dtype=torch.long, device=self.device),
-                      torch.zeros(T, H, dtype=self.model.embed.dtype, device=self.device) if kind == "draft" else None,
+                      torch.arange(start, start + slots, dtype=torch.long, device=self.device),
+                      torch.zeros(T, H, dtype=self.model.embed.dtype, device=self.device) if kind != "target" else None,
                       ())
         saved = [(s.conv.clone(), s.recurrent.clone()) for s in self.state.kda.values()]
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(2):  # warm-up: lazy initialisation and kernel compilation happen outside capture
-                self._run(kind, c, bucket, keep_steps)
+                self._run(kind, c, bucket, keep_steps, chain)
         torch.cuda.current_stream().wait_stream(side)
         with torch.cuda.graph(c.graph, pool=self.pool):
-            c.out = self._run(kind, c, bucket, keep_steps)
+            c.out = self._run(kind, c, bucket, keep_steps, chain)
         for s, (conv, rec) in zip(self.state.kda.values(), saved):
             s.conv.copy_(conv)
             s.recurrent.copy_(rec)
@@ -101,3 +115,20 @@ class StepGraphs:
             c.hidden_in.copy_(hidden_in)
         c.graph.replay()
         return c.out
+
+    def replay_draft_chain(self, ids: list[int], start: int, hidden_in: torch.Tensor, k: int) -> torch.Tensor:
+        """A greedy draft in one replay: the catch-up over `ids` (positions start..) from the target's
+        hidden states `hidden_in`, then k-1 single-token draft steps at the positions after, each
+        embedding the previous step's argmax. Returns the k drafted vocabulary ids (the graph's own
+        int64 [k] buffer). Same kernels, same order, so the same tokens as k draft replays."""
+        T = len(ids)
+        bucket = bucket_for(start + T + k - 1, self.state.max_context)
+        key = ("draft_chain", T, bucket, k)
+        c = self.graphs.get(key)
+        if c is None:
+            c = self.graphs[key] = self._capture("draft_chain", T, bucket, False, start, chain=k)
+        c.ids.copy_(torch.tensor(ids), non_blocking=True)
+        c.pos.copy_(torch.arange(start, start + T + k - 1), non_blocking=True)
+        c.hidden_in.copy_(hidden_in)
+        c.graph.replay()
+        return c.out[0]
