@@ -69,11 +69,12 @@ class StepGraphs:
             tokens = []
             for j in range(chain):
                 if j:
-                    prev = tokens[-1].view(1)
-                    h = m.mtp(m.embed_tokens(prev), h, Span(c.pos[T + j - 1:T + j], bucket), self.state.mtp, m.rotary)
-                best = m.draft_logits(h)[0].argmax()  # as Decoder.draft picks a greedy token
-                tokens.append(best if rows is None else rows[best])
-            return (torch.stack(tokens),)
+                    h = m.mtp(m.embed_tokens(tokens[-1]), h, Span(c.pos[T + j - 1:T + j], bucket), self.state.mtp,
+                              m.rotary)
+                best = m.draft_logits(h)[0].argmax().view(1)  # as Decoder.draft picks a greedy token
+                # a gather, not rows[best]: indexing by a 0-d tensor reads it on the host (no capture)
+                tokens.append(best if rows is None else rows.index_select(0, best))
+            return (torch.cat(tokens),)
 
     def _capture(self, kind: str, T: int, bucket: int, keep_steps: bool, start: int, chain: int = 0) -> _Captured:
         H = self.model.cfg.hidden_size
