@@ -189,7 +189,8 @@ def install(model, *, linears: bool, experts: bool, head: bool) -> None:
     if add_norm is not None and experts and moe_x_packed_enabled():
         import functools
 
-        for layer in getattr(model, "layers", ()):  # the norm before a MoE also packs its activations
+        mtp = [model.mtp] if getattr(model, "mtp", None) is not None else []
+        for layer in [*getattr(model, "layers", ()), *mtp]:  # the norm before a MoE also packs its activations
             out = layer.attention.out_proj
             if isinstance(layer.mlp, MoE) and layer.mlp.fast_experts is not None and out.fast_add_norm is not None:
                 out.fast_add_norm = functools.partial(add_norm, moe_x=True)

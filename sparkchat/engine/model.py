@@ -15,6 +15,7 @@ from sparkchat.engine.nn.linear import FusedLinear, Linear, project_add_norm
 from sparkchat.engine.nn.mla import MLACache, MultiLatentAttention, Span
 from sparkchat.engine.nn.moe import MLP, MoE
 from sparkchat.engine.nn.norm import RMSNorm
+from sparkchat.engine.nn.ops import ops
 from sparkchat.engine.nn.rope import RotaryEmbedding
 from sparkchat.engine.state import ConversationState
 
@@ -91,10 +92,13 @@ class MTPLayer(nn.Module):
 
     def forward(self, token_embeds: torch.Tensor, hidden: torch.Tensor, span: Span, cache: MLACache,
                 rotary: RotaryEmbedding) -> torch.Tensor:
-        x = self.eh_proj(torch.cat([self.enorm(token_embeds), self.hnorm(hidden)], dim=-1))
-        x = x + self.attention(self.input_layernorm(x), span, cache, rotary, absorbed=x.shape[0] <= 8)
-        x = x + self.mlp(self.post_attention_layernorm(x))
-        return self.final_layernorm(x)
+        x = self.eh_proj(ops.mtp_input(token_embeds, hidden, self.enorm.weight, self.hnorm.weight, self.enorm.eps))
+        o = self.attention(self.input_layernorm(x), span, cache, rotary, absorbed=x.shape[0] <= 8, project_out=False)
+        # the residual adds fuse with the norms after them, as in DecoderLayer (the same roundings):
+        # on the GPU path the output projection's GEMV and the final add+norm are PDL kernels
+        post = self.post_attention_layernorm
+        x, h = project_add_norm(self.attention.out_proj, o, x, post.weight, post.eps)
+        return self.final_layernorm.add_norm(x, self.mlp(h))[1]
 
 
 class LMHead(nn.Module):

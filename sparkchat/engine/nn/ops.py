@@ -60,6 +60,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 @register
+def mtp_input(token_embeds: torch.Tensor, hidden: torch.Tensor, enorm_w: torch.Tensor, hnorm_w: torch.Tensor,
+              eps: float) -> torch.Tensor:
+    """The MTP layer's eh_proj input [enorm(embeds) | hnorm(hidden)]: one compiled kernel for both norms
+    and the concatenation (three launches as separate ops). Both norms share one eps in the checkpoint."""
+    return torch.cat([rms_norm(token_embeds, enorm_w, eps), rms_norm(hidden, hnorm_w, eps)], dim=-1)
+
+
+@register
 def add_rms_norm(x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The residual add, then RMSNorm of the sum: returns (x + h, norm(x + h)) in one fused step."""
     x = x + h
