@@ -106,12 +106,9 @@ def test_fp8_head_and_mtp_keep_accept_length_on_gpu(model_dirs):
     assert fp8.switches["fp8_head"] and fp8.accept_length_mean >= 0.75 * bf16.accept_length_mean
 
 
-def test_graph_capture_leaves_written_cache_rows_alone(model_dirs):
-    """Capturing a graph runs the step for real; it must not overwrite MLA cache rows that already
-    hold the conversation (a capture at position 0 once clobbered the first row)."""
-    from sparkchat.engine.events import SamplingParams, Switches
-    from sparkchat.engine.generate import Decoder
-    from sparkchat.engine.graphs import StepGraphs
+def _agree_engine_with_mtp(model_dirs):
+    """The `agree` model on the GPU with MTP and the kernels on, graphs off (a test builds its own), reset."""
+    from sparkchat.engine.events import Switches
     from sparkchat.engine.session import Engine
 
     engine = Engine.load(model_dirs["agree"], device="cuda", dtype="bfloat16", max_context=512,
@@ -119,6 +116,17 @@ def test_graph_capture_leaves_written_cache_rows_alone(model_dirs):
     engine.set_switches(Switches(mtp=True, fp8_head=False, mxfp4_kernels=True, cuda_graphs=False))
     engine._apply_switches()
     engine.reset()
+    return engine
+
+
+def test_graph_capture_leaves_written_cache_rows_alone(model_dirs):
+    """Capturing a graph runs the step for real; it must not overwrite MLA cache rows that already
+    hold the conversation (a capture at position 0 once clobbered the first row)."""
+    from sparkchat.engine.events import SamplingParams
+    from sparkchat.engine.generate import Decoder
+    from sparkchat.engine.graphs import StepGraphs
+
+    engine = _agree_engine_with_mtp(model_dirs)
     st = engine.state
     prompt = list(range(5, 40))
     eager = Decoder(engine.model, st)
@@ -140,16 +148,11 @@ def test_graph_capture_leaves_written_cache_rows_alone(model_dirs):
 def test_greedy_draft_chain_matches_step_by_step(model_dirs, monkeypatch):
     """A greedy draft as one graph (catch-up plus k-1 steps fed their predecessor's argmax on the
     device) drafts the very tokens the step-by-step replays draft, with the full and a truncated head."""
-    from sparkchat.engine.events import SamplingParams, Switches
+    from sparkchat.engine.events import SamplingParams
     from sparkchat.engine.generate import Decoder
     from sparkchat.engine.graphs import StepGraphs
-    from sparkchat.engine.session import Engine
 
-    engine = Engine.load(model_dirs["agree"], device="cuda", dtype="bfloat16", max_context=512,
-                         quantize_experts=True)
-    engine.set_switches(Switches(mtp=True, fp8_head=False, mxfp4_kernels=True, cuda_graphs=False))
-    engine._apply_switches()
-    engine.reset()
+    engine = _agree_engine_with_mtp(model_dirs)
     st = engine.state
     prompt = list(range(5, 40))
     Decoder(engine.model, st).forward(prompt)
