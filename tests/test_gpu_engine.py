@@ -106,12 +106,12 @@ def test_fp8_head_and_mtp_keep_accept_length_on_gpu(model_dirs):
     assert fp8.switches["fp8_head"] and fp8.accept_length_mean >= 0.75 * bf16.accept_length_mean
 
 
-def _agree_engine_with_mtp(model_dirs):
+def _agree_engine_with_mtp(model_dirs, max_context: int = 512):
     """The `agree` model on the GPU with MTP and the kernels on, graphs off (a test builds its own), reset."""
     from sparkchat.engine.events import Switches
     from sparkchat.engine.session import Engine
 
-    engine = Engine.load(model_dirs["agree"], device="cuda", dtype="bfloat16", max_context=512,
+    engine = Engine.load(model_dirs["agree"], device="cuda", dtype="bfloat16", max_context=max_context,
                          quantize_experts=True)
     engine.set_switches(Switches(mtp=True, fp8_head=False, mxfp4_kernels=True, cuda_graphs=False))
     engine._apply_switches()
@@ -145,16 +145,20 @@ def test_graph_capture_leaves_written_cache_rows_alone(model_dirs):
     assert torch.equal(st.mtp.latent[:n], mtp_rows)
 
 
-def test_greedy_draft_chain_matches_step_by_step(model_dirs, monkeypatch):
+@pytest.mark.parametrize("length,catch_up,k,max_context", [(35, 2, 3, 512), (35, 1, 1, 512), (1023, 1, 3, 2048)],
+                         ids=["two-slot-catch-up", "one-draft", "across-a-bucket"])
+def test_greedy_draft_chain_matches_step_by_step(model_dirs, monkeypatch, length, catch_up, k, max_context):
     """A greedy draft as one graph (catch-up plus k-1 steps fed their predecessor's argmax on the
-    device) drafts the very tokens the step-by-step replays draft, with the full and a truncated head."""
+    device) drafts the very tokens, and writes the very MTP cache rows, that the step-by-step replays
+    do — with the full and a truncated head, and with drafts whose context bucket changes midway (each
+    draft attends over its own bucket, as its own replay would)."""
     from sparkchat.engine.events import SamplingParams
     from sparkchat.engine.generate import Decoder
     from sparkchat.engine.graphs import StepGraphs
 
-    engine = _agree_engine_with_mtp(model_dirs)
+    engine = _agree_engine_with_mtp(model_dirs, max_context)
     st = engine.state
-    prompt = list(range(5, 40))
+    prompt = [5 + i % 200 for i in range(length)]
     Decoder(engine.model, st).forward(prompt)
     st.token_ids.extend(prompt)
     n = st.length
@@ -162,14 +166,16 @@ def test_greedy_draft_chain_matches_step_by_step(model_dirs, monkeypatch):
     for rows in (None, list(range(3, 300, 2))):
         head.set_draft_rows(rows)
         dec = Decoder(engine.model, st, StepGraphs(engine.model, st))
-        drafted = {}
+        drafted, written = {}, {}
         for chain in ("0", "1", "1"):  # the chain twice: captured, then replayed
             monkeypatch.setenv("SPARKCHAT_DRAFT_CHAIN", chain)
-            st.mtp_length = n - 2  # a two-slot catch-up, as after a verify that accepted one draft
-            tokens, q = dec.draft(9, 3, SamplingParams(temperature=0.0), None)
-            assert q is None and st.mtp_length == n
+            st.mtp_length = n - catch_up  # as after a verify that accepted catch_up - 1 drafts
+            tokens, q = dec.draft(9, k, SamplingParams(temperature=0.0), None)
+            assert q is None and st.mtp_length == n and len(tokens) == k
             drafted.setdefault(chain, []).append(tokens)
+            written.setdefault(chain, []).append(st.mtp.latent[n - catch_up:n + k - 1].clone())
         assert drafted["1"][0] == drafted["1"][1] == drafted["0"][0], (rows, drafted)
+        assert torch.equal(written["1"][1], written["0"][0])
         assert rows is None or all(t in rows for t in drafted["1"][0])
     head.set_draft_rows(None)
 

@@ -113,7 +113,7 @@ for b in biases:
         want = torch.tensor(expected(b), device=dev)
         assert torch.equal(ids[0], want) and torch.equal(ids[1], want), (ids, want)
         assert torch.allclose(w, torch.full_like(w, 2.5 / K)), w
-        ids1, w1 = route(x[:1], torch.zeros(E, H, device=dev), b, G, TG, K, 2.5, True)  # one launch (bf16)
+        ids1, w1 = route(x[:1], torch.zeros(E, H, device=dev), b, G, TG, K, 2.5, True)  # a single token
         assert torch.equal(ids1[0], want) and torch.allclose(w1, w[:1]), (ids1, want)
 print("ok")
 """

@@ -54,14 +54,18 @@ class StepGraphs:
         """Forget every graph (the kernels they call changed: a switch was flipped)."""
         self.graphs.clear()
 
-    def _run(self, kind: str, c: _Captured, bucket: int, keep_steps: bool, chain: int = 0) -> tuple[Any, ...]:
+    def _run(self, kind: str, c: _Captured, bucket: int | tuple[int, ...], keep_steps: bool,
+             chain: int = 0) -> tuple[Any, ...]:
+        """One step; a draft chain takes a bucket per draft (its catch-up's first), as replays step by
+        step would: attention's splits follow the bucket, so the sums' order does too."""
         m = self.model
         if kind == "target":
             hidden, kept = m(c.ids, 0, self.state, keep_steps=keep_steps, span=Span(c.pos, bucket))
             return hidden, m.lm_head(hidden), kept
         T = c.ids.shape[0]
+        buckets = bucket if isinstance(bucket, tuple) else (bucket,)
         with torch.inference_mode():
-            h = m.mtp(m.embed_tokens(c.ids), c.hidden_in, Span(c.pos[:T], bucket), self.state.mtp, m.rotary)
+            h = m.mtp(m.embed_tokens(c.ids), c.hidden_in, Span(c.pos[:T], buckets[0]), self.state.mtp, m.rotary)
             if kind == "draft":
                 return h, m.draft_logits(h[-1:])  # a catch-up over several slots drafts from its last only
             h = h[-1:]
@@ -69,14 +73,15 @@ class StepGraphs:
             tokens = []
             for j in range(chain):
                 if j:
-                    h = m.mtp(m.embed_tokens(tokens[-1]), h, Span(c.pos[T + j - 1:T + j], bucket), self.state.mtp,
-                              m.rotary)
+                    h = m.mtp(m.embed_tokens(tokens[-1]), h, Span(c.pos[T + j - 1:T + j], buckets[j]),
+                              self.state.mtp, m.rotary)
                 best = m.draft_logits(h)[0].argmax().view(1)  # as Decoder.draft picks a greedy token
                 # a gather, not rows[best]: indexing by a 0-d tensor reads it on the host (no capture)
                 tokens.append(best if rows is None else rows.index_select(0, best))
             return (torch.cat(tokens),)
 
-    def _capture(self, kind: str, T: int, bucket: int, keep_steps: bool, start: int, chain: int = 0) -> _Captured:
+    def _capture(self, kind: str, T: int, bucket: int | tuple[int, ...], keep_steps: bool, start: int,
+                 chain: int = 0) -> _Captured:
         H = self.model.cfg.hidden_size
         # Capture runs at the step's own positions: the cache rows it writes there are rewritten by the
         # real step right after (at position 0 it would clobber the conversation's first row).
@@ -123,11 +128,12 @@ class StepGraphs:
         embedding the previous step's argmax. Returns the k drafted vocabulary ids (the graph's own
         int64 [k] buffer). Same kernels, same order, so the same tokens as k draft replays."""
         T = len(ids)
-        bucket = bucket_for(start + T + k - 1, self.state.max_context)
-        key = ("draft_chain", T, bucket, k)
+        # draft j attends up to position start + T + j - 1, as its own replay would (catch-up: j = 0)
+        buckets = tuple(bucket_for(start + T + j, self.state.max_context) for j in range(k))
+        key = ("draft_chain", T, buckets, k)
         c = self.graphs.get(key)
         if c is None:
-            c = self.graphs[key] = self._capture("draft_chain", T, bucket, False, start, chain=k)
+            c = self.graphs[key] = self._capture("draft_chain", T, buckets, False, start, chain=k)
         c.ids.copy_(torch.tensor(ids), non_blocking=True)
         c.pos.copy_(torch.arange(start, start + T + k - 1), non_blocking=True)
         c.hidden_in.copy_(hidden_in)

@@ -89,6 +89,7 @@ class MTPLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(H, cfg.rms_norm_eps)
         self.mlp = _moe(cfg, 0.0, 0.0)  # the limit lists cover the main layers only
         self.final_layernorm = RMSNorm(H, cfg.rms_norm_eps)
+        assert self.enorm.eps == self.hnorm.eps  # ops.mtp_input takes one eps for both
 
     def forward(self, token_embeds: torch.Tensor, hidden: torch.Tensor, span: Span, cache: MLACache,
                 rotary: RotaryEmbedding) -> torch.Tensor:
