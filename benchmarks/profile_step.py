@@ -1,11 +1,12 @@
 """Profile one decode step at Ling-3.0-flash-fp4's full shapes (synthetic weights): where the time goes.
 
     python benchmarks/profile_step.py [--layers N] [--no-compile] [--prefill N | --timeline [--tokens T]
-                                      | --switch NAME | --ab]
+                                      | --draft | --switch NAME | --ab]
 
 With --prefill N it profiles the prefill of an N-token prompt instead (eager, as the engine runs it).
 With --timeline it traces replays of the graphed decode step and prints, per kernel, its count and
 time inside the graph, and how much of the step no kernel was running (the gaps PDL cannot hide).
+With --draft it does the same for a greedy MTP draft of 3 tokens (one graph), each kernel in order.
 With --switch NAME it alternates one environment switch on and off, timing the graphed step each time.
 With --ab it times the graphed decode step with programmatic dependent launch (kernels/pdl.py), the
 shared expert's side stream (engine/streams.py) and the MoE's bf16x2 products (kernels/mxfp4_moe.py)
@@ -34,6 +35,7 @@ def main() -> None:
     ap.add_argument("--prefill", type=int, default=0, help="profile an N-token prefill instead")
     ap.add_argument("--timeline", action="store_true", help="per-kernel times inside the graphed step")
     ap.add_argument("--tokens", type=int, default=1, help="--timeline: a verify of this many tokens instead")
+    ap.add_argument("--draft", action="store_true", help="each kernel of a greedy 3-draft chain (MTP)")
     ap.add_argument("--switch", default=None, help="time the graphed step with this env switch 1/0 alternated")
     ap.add_argument("--ab", action="store_true", help="time PDL, the side stream and packed MoE products on and off")
     args = ap.parse_args()
@@ -51,6 +53,9 @@ def main() -> None:
         return
     if args.timeline:
         graph_timeline(model, state, args.tokens)
+        return
+    if args.draft:
+        draft_timeline(model, state)
         return
     state.token_ids = [0] * 1024
     eager = Decoder(model, state)
@@ -98,44 +103,77 @@ def graph_step_ms(model, state: ConversationState, iters: int = 50, tokens: int 
     return start.elapsed_time(end) / iters
 
 
-def graph_timeline(model, state: ConversationState, tokens: int = 1, replays: int = 5) -> None:
-    """Kernel records of graph replays (CUPTI traces the kernels inside a graph): per kernel name, the
-    calls and summed duration of one step, and the step's wall time against the union of busy time."""
-    import collections
+def _last_replay_kernels(run, replays: int = 5) -> list[dict]:
+    """Kernel records (CUPTI traces the kernels inside a graph) of the last of `replays` calls of `run`,
+    caches and clocks warm, in start order."""
     import json
     import tempfile
 
-    state.token_ids = [0] * 1024
-    graphed = Decoder(model, state, StepGraphs(model, state))
     for _ in range(3):
-        graphed.forward([1] * tokens, keep_steps=tokens > 1)
+        run()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(replays):
-            graphed.forward([1] * tokens, keep_steps=tokens > 1)
+            run()
         torch.cuda.synchronize()
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
         trace = json.load(open(f.name))
     kernels = sorted((e for e in trace["traceEvents"] if e.get("cat") == "kernel"), key=lambda e: e["ts"])
-    per_step = len(kernels) // replays
-    step = kernels[-per_step:]  # the last replay: caches and clocks warm
-    t0, t1 = step[0]["ts"], max(e["ts"] + e["dur"] for e in step)
+    return kernels[-(len(kernels) // replays):]
+
+
+def _print_kernels(kernels: list[dict], label: str, sequence: bool = False) -> None:
+    """The records' wall time against the union of busy time, optionally each kernel in start order, and
+    per kernel name the calls and summed duration."""
+    import collections
+
+    t0, t1 = kernels[0]["ts"], max(e["ts"] + e["dur"] for e in kernels)
     busy, end = 0.0, t0
-    for e in step:  # union of [ts, ts + dur) over both streams
+    for e in kernels:  # union of [ts, ts + dur) over both streams
         s0, s1 = max(e["ts"], end), e["ts"] + e["dur"]
         if s1 > s0:
             busy += s1 - s0
         end = max(end, s1)
     by_name: dict[str, list[float]] = collections.defaultdict(list)
-    for e in step:
+    for e in kernels:
         by_name[e["name"]].append(e["dur"])
     total = sum(sum(v) for v in by_name.values())
-    print(f"kernels per {tokens}-token step: {per_step}; step {t1 - t0:.1f} us, some kernel running {busy:.1f} us, "
+    print(f"kernels per {label}: {len(kernels)}; {t1 - t0:.1f} us, some kernel running {busy:.1f} us, "
           f"idle {t1 - t0 - busy:.1f} us; summed kernel time {total:.1f} us (overlap counted twice)")
-    print(f"{'us/step':>8} {'calls':>6} {'us/call':>8}  kernel")
+    if sequence:
+        print(f"{'start us':>8} {'us':>7}  kernel")
+        for e in kernels:
+            print(f"{e['ts'] - t0:8.1f} {e['dur']:7.2f}  {e['name'][:90]}")
+    print(f"{'us':>8} {'calls':>6} {'us/call':>8}  kernel")
     for name, durs in sorted(by_name.items(), key=lambda kv: -sum(kv[1])):
         print(f"{sum(durs):8.1f} {len(durs):6d} {sum(durs) / len(durs):8.2f}  {name[:90]}")
+
+
+def graph_timeline(model, state: ConversationState, tokens: int = 1, replays: int = 5) -> None:
+    """Per kernel name, the calls and summed duration inside one graphed step, and the step's wall time
+    against the union of busy time."""
+    state.token_ids = [0] * 1024
+    graphed = Decoder(model, state, StepGraphs(model, state))
+    kernels = _last_replay_kernels(lambda: graphed.forward([1] * tokens, keep_steps=tokens > 1), replays)
+    _print_kernels(kernels, f"{tokens}-token step")
+
+
+def draft_timeline(model, state: ConversationState, k: int = 3, rows: int = 32768) -> None:
+    """Each kernel of one greedy draft (a one-slot catch-up and k-1 more drafts, one graph, the head
+    truncated to `rows` rows as the engine runs it) in start order, then per kernel name."""
+    from sparkchat.engine.events import SamplingParams
+
+    state.token_ids = [0] * 1024
+    model.lm_head.set_draft_rows(list(range(rows)))
+    graphed = Decoder(model, state, StepGraphs(model, state))
+
+    def draft():
+        state.mtp_length = state.length - 1  # one catch-up slot, as after a verify
+        graphed.draft(1, k, SamplingParams(temperature=0.0), None)
+
+    _print_kernels(_last_replay_kernels(draft), f"{k}-draft chain", sequence=True)
+    model.lm_head.set_draft_rows(None)
 
 
 def compare_overlap(model, state: ConversationState) -> None:
