@@ -92,17 +92,21 @@ class Decoder:
         MTP hidden of that last slot (its input token is `pending`, the token not yet processed) and
         that slot's draft logits: the first draft. With graphs, the catch-up (1..k+1 slots) replays a
         draft graph too: run eagerly it cost a hundred launches, most of a speculative step's drafting."""
-        st = self.state
-        n, start = st.length, st.mtp_length
-        next_ids = st.token_ids[start + 1:n] + [pending]
-        hidden = st.hidden[start:n]
-        st.mtp_length = n
+        start, next_ids, hidden = self._catch_up_slots(pending)
         if self.graphs is not None and len(next_ids) <= self.GRAPH_MAX_TOKENS:
             m, logits = self.graphs.replay("draft", next_ids, start, hidden_in=hidden)
             return m[-1:], logits
         ids = torch.tensor(next_ids, device=self.device)
-        m = self.model.draft(ids, hidden, start, st.mtp, span=self._span(start, len(next_ids)))[-1:]
+        m = self.model.draft(ids, hidden, start, self.state.mtp, span=self._span(start, len(next_ids)))[-1:]
         return m, self.model.draft_logits(m)  # the very same head module as the target
+
+    def _catch_up_slots(self, pending: int) -> tuple[int, list[int], torch.Tensor]:
+        """The slots the MTP cache still lacks, marked done: (first position, their input tokens, the
+        target's hidden states there)."""
+        st = self.state
+        n, start = st.length, st.mtp_length
+        st.mtp_length = n
+        return start, st.token_ids[start + 1:n] + [pending], st.hidden[start:n]
 
     def _chain_ok(self, k: int) -> bool:
         """Whether a greedy draft runs as one graph (SPARKCHAT_DRAFT_CHAIN=0: a replay per step)."""
@@ -112,11 +116,8 @@ class Decoder:
 
     def _draft_chain(self, pending: int, k: int) -> list[int]:
         """mtp_catch_up and k greedy draft steps as one graph replay: one host sync for all k tokens."""
-        st = self.state
-        n, start = st.length, st.mtp_length
-        next_ids = st.token_ids[start + 1:n] + [pending]
-        st.mtp_length = n
-        return self.graphs.replay_draft_chain(next_ids, start, st.hidden[start:n], k).tolist()
+        start, next_ids, hidden = self._catch_up_slots(pending)
+        return self.graphs.replay_draft_chain(next_ids, start, hidden, k).tolist()
 
     def draft(self, pending: int, k: int, params: SamplingParams,
               gen: torch.Generator | None) -> tuple[list[int], torch.Tensor | None]:

@@ -62,8 +62,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 @register
 def mtp_input(token_embeds: torch.Tensor, hidden: torch.Tensor, enorm_w: torch.Tensor, hnorm_w: torch.Tensor,
               eps: float) -> torch.Tensor:
-    """The MTP layer's eh_proj input [enorm(embeds) | hnorm(hidden)]: one compiled kernel for both norms
-    and the concatenation (three launches as separate ops). Both norms share one eps in the checkpoint."""
+    """The MTP layer's eh_proj input [enorm(embeds) | hnorm(hidden)]: compiled, the two norms write
+    straight into the concatenation (two launches, three as separate ops). Both norms share one eps."""
     return torch.cat([rms_norm(token_embeds, enorm_w, eps), rms_norm(hidden, hnorm_w, eps)], dim=-1)
 
 
