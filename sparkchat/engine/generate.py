@@ -241,10 +241,10 @@ def generate_tokens(model: LingModel, state: ConversationState, new_ids: list[in
                 while accepted < k and drafts[accepted] == target[accepted]:
                     accepted += 1
                 nxt = target[accepted]
-            # rollback: keep positions pending, d_1..d_accepted; drop the rest
+            # rollback: keep positions pending, d_1..d_accepted; drop the rest. No sync after it: the
+            # GPU copies while the host gets the next draft ready (stream order keeps them in turn)
             state.rollback_kda(kept, accepted)
             dec.commit([pending] + drafts[:accepted])
-            _sync(device)
             st.verify_s += time.perf_counter() - t_v
             spec.steps += 1
             spec.last = accepted + 1

@@ -3,6 +3,7 @@ recurrent and conv states, the MTP layer's own cache, and the tokens they hold."
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -64,9 +65,19 @@ class ConversationState:
         self.mtp_length = 0
 
     def rollback_kda(self, kept: dict[int, KDASteps], last: int) -> None:
-        """After a multi-token step, set every KDA layer to its state right after new position `last`
-        (0-based within the step): the recurrent state kept for that position, and the conv state
-        made of the K-1 inputs that end there."""
+        """Right after a multi-token step, set every KDA layer to its state right after new position
+        `last` (0-based within the step): the recurrent state kept for that position, and the conv state
+        made of the K-1 inputs that end there. At the step's last position that is the state the step
+        left, so nothing moves. On CUDA one kernel copies every layer (kernels/kda_rollback.py; the loop
+        below is its twin; SPARKCHAT_ROLLBACK_KERNEL=0 keeps the loop)."""
+        if not kept or last == next(iter(kept.values())).recurrent.shape[0] - 1:
+            return
+        if next(iter(self.kda.values())).recurrent.is_cuda and os.environ.get("SPARKCHAT_ROLLBACK_KERNEL", "1") != "0":
+            from sparkchat.engine.kernels.kda_rollback import kda_rollback
+
+            kda_rollback([(self.kda[i].recurrent, s.recurrent, self.kda[i].conv, s.window) for i, s in kept.items()],
+                         last)
+            return
         for i, steps in kept.items():
             s = self.kda[i]
             k_1 = s.conv.shape[0]
