@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 BLOCK = 4096  # int32 words a program copies
+WARPS = 4
 _TABLES: dict[tuple[int, ...], torch.Tensor] = {}  # address tables on the device, by their addresses
 _MAX_TABLES = 64
 
@@ -66,4 +67,4 @@ def kda_rollback(layers: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, to
         table = _TABLES[key] = torch.tensor(key, dtype=torch.int64).to(rec.device)
     ns = triton.cdiv(state, BLOCK)
     kda_rollback_kernel[(len(layers), ns + triton.cdiv(cw, BLOCK))](table, last, STATE=state, CONV=cw, ROW=row,
-                                                                     NS=ns, BLOCK=BLOCK)
+                                                                     NS=ns, BLOCK=BLOCK, num_warps=WARPS)
