@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from sparkchat.cli import main
@@ -48,9 +49,12 @@ def test_bench_command_prints_the_table_as_json(tmp_path, capsys):
     assert out["verify_decode_ratio"] > 0 and out["accept_length_source"].startswith("assumed")
     assert out["verify_correlated_decode_ratio"] > 0 and out["verify_correlated_pct_read_bw"] > 0
     assert out["verify_routing_wrapper_ms"] >= 0
+    assert out["loop_cycle_ms"] > 0 and out["loop_tokens_per_cycle"] >= 1
+    assert out["loop_tpot_ms"] == pytest.approx(out["loop_cycle_ms"] / out["accept_length"])
     assert main(["bench", "--config", str(cfg_path), "--device", "cpu", "--context", "16", "--iters", "2"]) == 0
     text = capsys.readouterr().out
     assert "projection, not a measurement" in text and "half the experts repeated" in text
+    assert "the MTP loop as it runs" in text
     # a prompt longer than the context: the model is built with room for it
     assert main(["bench", "--config", str(cfg_path), "--device", "cpu", "--context", "16", "--iters", "1",
                  "--prefill", "80", "--json"]) == 0

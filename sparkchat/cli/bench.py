@@ -176,6 +176,13 @@ def format_table(r: dict) -> str:
                      f"with half the experts repeated between neighbours {r['verify_correlated_ms']:.2f} ms = "
                      f"{r['verify_correlated_decode_ratio']:.2f}× decode, {r['verify_correlated_pct_read_bw']:.1f}% of read BW "
                      f"(the routing wrapper's own {r['verify_routing_wrapper_ms']:.2f} ms left out)")
+    if r.get("loop_cycle_ms") is not None:
+        parts = r["verify_ms"] + r["draft_steps"] * r["draft_step_ms"]
+        lines.append(f"the MTP loop as it runs (draft, verify, accept, roll back, stream): "
+                     f"{r['loop_cycle_ms']:.2f} ms a cycle, {r['loop_tokens_per_cycle']:.2f} tokens a cycle "
+                     f"(the parts above: {parts:.2f} ms); at "
+                     f"accept length {r['accept_length']:.2f}: {r['loop_tpot_ms']:.2f} ms a token = "
+                     f"{1000 / r['loop_tpot_ms']:.1f} tok/s")
     if r.get("draft_vocab") is not None:
         lines.append(f"draft head top {r['draft_vocab']:,} tokens: {r['draft_head_bytes'] / 1e6:.1f} MB per draft "
                      f"step, draft step {r['draft_step_ms']:.2f} ms; full head {r['draft_head_full_bytes'] / 1e6:.1f} MB, "

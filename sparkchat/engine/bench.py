@@ -61,6 +61,11 @@ class BenchResult:
     verify_correlated_decode_ratio: float | None = None
     verify_correlated_pct_read_bw: float | None = None
     verify_routing_wrapper_ms: float | None = None  # the correlated-routing wrapper's own cost, left out above
+    # the speculative loop as a user runs it (generate_tokens: draft, verify, accept, rollback, stream),
+    # timed per cycle; synthetic weights accept no draft, so every cycle rolls back (the worst case)
+    loop_cycle_ms: float | None = None
+    loop_tokens_per_cycle: float | None = None
+    loop_tpot_ms: float | None = None  # loop_cycle_ms at the MTP row's accept length
     accept_length: float | None = None
     accept_length_source: str = ""
     first_step_s: float | None = None  # the first fast decode step: kernel compilation + graph capture
@@ -298,7 +303,38 @@ def run_bench(model: LingModel, *, context: int = 1024, iters: int = 20, draft_s
             note += (f"; the full draft head: {result.mtp_full_head_tpot_ms:.2f} ms at accept length "
                      f"{al_full:.2f}")
         result.rows.append(BenchRow(name, 1000 * t_token, 1 / t_token, None, None, None, spark, note))
+
+        say("the MTP loop as it runs")
+        if result.draft_vocab is not None:
+            head.set_draft_rows(draft_rows if draft_rows is not None else list(range(draft_vocab)))
+        cycle, per_cycle = _loop_cycle(model, state, context, k, use_graphs)
+        head.set_draft_rows(None)
+        result.loop_cycle_ms, result.loop_tokens_per_cycle = 1000 * cycle, per_cycle
+        result.loop_tpot_ms = 1000 * cycle / al
     return result
+
+
+def _loop_cycle(model: LingModel, state: ConversationState, context: int, k: int,
+                use_graphs: bool, tokens: int = 40) -> tuple[float, float]:
+    """(seconds a speculative cycle, tokens a cycle) of generate_tokens, greedy, after a prompt that
+    fills the context. Run twice: the first run captures the graphs the second one replays."""
+    from sparkchat.engine.events import SamplingParams
+    from sparkchat.engine.generate import generate_tokens
+
+    prompt = [(i * 7919) % model.cfg.vocab_size for i in range(max(1, min(context, state.max_context - tokens - 8)))]
+    graphs = _graphs(model, state) if use_graphs else None
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+    for _ in range(2):
+        state.reset()
+        stamps, counts = [], []
+        for out in generate_tokens(model, state, prompt, params, set(), mtp=True, draft_steps=k, graphs=graphs):
+            stamps.append(time.perf_counter())
+            counts.append(len(out.tokens))
+        if model.embed.is_cuda:
+            torch.cuda.synchronize()
+    skip = 3  # the prompt's token and the first two cycles
+    cycles = max(1, len(stamps) - 1 - skip)
+    return (stamps[-1] - stamps[skip]) / cycles, sum(counts[skip + 1:]) / cycles
 
 
 def _prefill_time(model: LingModel, n: int, device: torch.device) -> float:

@@ -104,7 +104,7 @@ def run_plan(plan: BenchPlan, say: Say) -> tuple[Any, str]:
             source = f"model {engine.name}"
             has_mtp = model.mtp is not None
             measure = plan.measure_accept and has_mtp
-            steps.total = int(measure) + 4 + int(has_mtp)
+            steps.total = int(measure) + 4 + 2 * int(has_mtp)  # MTP: its parts, then the loop as it runs
             saved = replace(engine.switches)
             if measure:
                 from sparkchat.cli.bench import measure_accept_length
@@ -115,7 +115,7 @@ def run_plan(plan: BenchPlan, say: Say) -> tuple[Any, str]:
                 rows = engine.draft_rows(plan.draft_vocab)  # the engine's own top-N, as `sparkchat bench`
         else:
             cfg, device, dtype, source = _synthetic_setup(plan)
-            steps.total = 1 + 4 + int(cfg.has_mtp)
+            steps.total = 1 + 4 + 2 * int(cfg.has_mtp)
             steps.next("building synthetic weights")
             from sparkchat.engine.synthetic import build_synthetic
 
@@ -511,6 +511,10 @@ class BenchScreen(Screen[None]):
                              f"(NVIDIA: {NVIDIA_VERIFY_RATIO}×) · draft step {number(r.draft_step_ms)} ms · "
                              f"accept length {r.accept_length:.2f} "
                              f"({how})")
+            if getattr(r, "loop_cycle_ms", None) is not None:
+                lines.append(f"the MTP loop as it runs (accept, roll back, stream included): "
+                             f"{number(r.loop_cycle_ms)} ms a cycle → {number(r.loop_tpot_ms)} ms a token at "
+                             f"accept length {r.accept_length:.2f}")
             first = ""
             if r.first_step_s is not None:
                 first = f" · first fast step {number(r.first_step_s)} s"
