@@ -56,17 +56,24 @@ class Decoder:
         self.model, self.state = model, state
         self.device = model.embed.device
         self.graphs = graphs  # a StepGraphs, or None for eager execution
+        self._marks: list[torch.cuda.Event] | None = None  # draft_and_verify's events and draft buffer
+        self._drafts: torch.Tensor | None = None
 
     # -- the target model ---------------------------------------------------------------------
-    def forward(self, ids: list[int], keep_steps: bool = False) -> tuple[torch.Tensor, torch.Tensor, dict]:
-        """Run `ids` at the next positions; returns (hidden [T, H], logits [T, V] fp32, kept KDA steps).
-        The state's token list is NOT extended here: callers commit what they keep."""
+    def forward(self, ids: list[int], keep_steps: bool = False,
+                tail: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        """Run `ids` (then `tail`, ids still on the device) at the next positions; returns (hidden [T, H],
+        logits [T, V] fp32, kept KDA steps). The state's token list is NOT extended here: callers commit
+        what they keep."""
         start = self.state.length
-        if self.graphs is not None and len(ids) <= self.GRAPH_MAX_TOKENS:
-            hidden, logits, kept = self.graphs.replay("target", ids, start, keep_steps)
+        n = len(ids) + (0 if tail is None else tail.shape[0])
+        if self.graphs is not None and n <= self.GRAPH_MAX_TOKENS:
+            hidden, logits, kept = self.graphs.replay("target", ids, start, keep_steps, tail=tail)
             if self.state.hidden.numel():
-                self.state.hidden[start:start + len(ids)] = hidden
+                self.state.hidden[start:start + n] = hidden
             return hidden, logits, kept
+        if tail is not None:
+            ids = ids + tail.tolist()
         x = torch.tensor(ids, device=self.device)
         hidden, kept = self.model(x, start, self.state, keep_steps=keep_steps, span=self._span(start, len(ids)))
         if self.state.hidden.numel():
@@ -108,16 +115,43 @@ class Decoder:
         st.mtp_length = n
         return start, st.token_ids[start + 1:n] + [pending], st.hidden[start:n]
 
-    def _chain_ok(self, k: int) -> bool:
+    def chain_ok(self, k: int) -> bool:
         """Whether a greedy draft runs as one graph (SPARKCHAT_DRAFT_CHAIN=0: a replay per step)."""
         st = self.state
         return (self.graphs is not None and k > 0 and st.length - st.mtp_length <= self.GRAPH_MAX_TOKENS
                 and os.environ.get("SPARKCHAT_DRAFT_CHAIN", "1") != "0")
 
-    def _draft_chain(self, pending: int, k: int) -> list[int]:
-        """mtp_catch_up and k greedy draft steps as one graph replay: one host sync for all k tokens."""
+    def draft_on_device(self, pending: int, k: int) -> torch.Tensor | None:
+        """mtp_catch_up and k greedy draft steps as one graph replay, queued: the k tokens (the graph's
+        int64 buffer: graphs share a memory pool, so it is only good until the next replay of any graph)
+        — or None where there is no chain (chain_ok)."""
+        if not self.chain_ok(k):
+            return None
         start, next_ids, hidden = self._catch_up_slots(pending)
-        return self.graphs.replay_draft_chain(next_ids, start, hidden, k).tolist()
+        return self.graphs.replay_draft_chain(next_ids, start, hidden, k)
+
+    def draft_and_verify(self, pending: int, k: int) -> tuple[list[int], list[int], dict, float]:
+        """A greedy speculative step with one host sync (chain_ok(k) must hold): the draft chain, then the
+        verify reading the drafts on the device, queued right behind it. Returns (the k drafts, the
+        target's k+1 greedy picks, the verify's kept KDA steps, the chain's share of the time in s)."""
+        if self._marks is None:
+            self._marks = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if self.device.type == "cuda" else []
+            self._drafts = torch.empty(8, dtype=torch.long, device=self.device)
+        t0 = time.perf_counter()
+        for mark in self._marks[:1]:
+            mark.record()
+        # copied out of the chain's output first: a graph captured after the verify's may hold that
+        # output where the verify keeps its scratch (the pool is shared)
+        drafts = self._drafts[:k].copy_(self.draft_on_device(pending, k))
+        for mark in self._marks[1:]:
+            mark.record()
+        _, logits, kept = self.forward([pending], keep_steps=True, tail=drafts)
+        both = torch.cat([drafts, logits.argmax(-1)]).tolist()
+        if self._marks:  # the chain's GPU time, queueing included: no sync between draft and verify
+            drafting = self._marks[0].elapsed_time(self._marks[1]) / 1000
+        else:
+            drafting = 0.5 * (time.perf_counter() - t0)
+        return both[:k], both[k:], kept, drafting
 
     def draft(self, pending: int, k: int, params: SamplingParams,
               gen: torch.Generator | None) -> tuple[list[int], torch.Tensor | None]:
@@ -128,8 +162,8 @@ class Decoder:
         0 for every other token. The acceptance rule stays exact for any draft distribution: a token
         the draft cannot propose is simply never accepted as a draft, and the residual (p − q)+ a
         rejection resamples from keeps the target's whole mass on it."""
-        if params.temperature <= 0 and self._chain_ok(k):
-            return self._draft_chain(pending, k), None
+        if params.temperature <= 0 and self.chain_ok(k):
+            return self.draft_on_device(pending, k).tolist(), None  # one host sync for all k tokens
         m, logits = self.mtp_catch_up(pending)
         rows = self.model.lm_head.draft_ids  # None: the draft's logits cover the whole vocabulary
         tokens: list[int] = []
@@ -205,6 +239,9 @@ def generate_tokens(model: LingModel, state: ConversationState, new_ids: list[in
             st.accept_rate_per_position = [a / spec.steps for a in spec.per_position]
         return StepOutput(out, finish, st)
 
+    # greedy drafts from one graph with the verify queued behind them (Decoder.draft_and_verify): off
+    # until a GPU has run tests/test_gpu_engine.py on it (docs/benchmarks.md, session 13)
+    queued_verify = os.environ.get("SPARKCHAT_QUEUED_VERIFY", "0") == "1"
     first = emit([pending])
     yield first
     if first.finish_reason:
@@ -227,16 +264,23 @@ def generate_tokens(model: LingModel, state: ConversationState, new_ids: list[in
             out = emit([pending])
         else:
             t_d = time.perf_counter()
-            drafts, q = dec.draft(pending, k, params, gen)
-            _sync(device)
-            t_v = time.perf_counter()
-            st.draft_s += t_v - t_d
-            hidden, logits, kept = dec.forward([pending] + drafts, keep_steps=True)
+            greedy_chain = params.temperature <= 0 and queued_verify and dec.chain_ok(k)
+            if greedy_chain:
+                drafts, target, kept, drafting = dec.draft_and_verify(pending, k)
+                st.draft_s += drafting
+                t_v = t_d + drafting  # verify_s (below) takes the rest of the cycle
+            else:
+                drafts, q = dec.draft(pending, k, params, gen)
+                _sync(device)
+                t_v = time.perf_counter()
+                st.draft_s += t_v - t_d
+                hidden, logits, kept = dec.forward([pending] + drafts, keep_steps=True)
             if params.temperature > 0:
                 p = probabilities(logits, params)
                 accepted, nxt = speculative_accept(p, q, torch.tensor(drafts, device=device), gen)
             else:
-                target = logits.argmax(-1).tolist()
+                if not greedy_chain:
+                    target = logits.argmax(-1).tolist()
                 accepted = 0
                 while accepted < k and drafts[accepted] == target[accepted]:
                     accepted += 1

@@ -105,17 +105,20 @@ class StepGraphs:
         return c
 
     def replay(self, kind: str, ids: list[int], start: int, keep_steps: bool = False,
-               hidden_in: torch.Tensor | None = None) -> tuple[Any, ...]:
+               hidden_in: torch.Tensor | None = None, tail: torch.Tensor | None = None) -> tuple[Any, ...]:
         """Run a step through its graph (capturing it the first time). Returns the graph's outputs:
         target → (hidden, logits, kept KDA steps); draft → (mtp hidden, last slot's logits). They are the graph's
-        own buffers: copy what must outlive the next replay."""
-        T = len(ids)
+        own buffers: copy what must outlive the next replay. `tail`: more ids after `ids`, already on the
+        device (a draft chain's output), copied there without a trip through the host."""
+        T = len(ids) + (0 if tail is None else tail.shape[0])
         bucket = bucket_for(start + T, self.state.max_context)
         key = (kind, T, bucket, keep_steps)
         c = self.graphs.get(key)
         if c is None:
             c = self.graphs[key] = self._capture(kind, T, bucket, keep_steps, start)
-        c.ids.copy_(torch.tensor(ids), non_blocking=True)
+        c.ids[:len(ids)].copy_(torch.tensor(ids), non_blocking=True)
+        if tail is not None:
+            c.ids[len(ids):].copy_(tail)
         c.pos.copy_(torch.arange(start, start + T), non_blocking=True)
         if hidden_in is not None:
             c.hidden_in.copy_(hidden_in)
