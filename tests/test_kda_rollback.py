@@ -43,6 +43,11 @@ def run_all(device: str) -> None:
             for (rec, steps, conv, window), (r_want, c_want), (s0, w0) in zip(layers, want, kept):
                 assert torch.equal(rec, r_want) and torch.equal(conv, c_want), (n, T, last)
                 assert torch.equal(steps, s0) and torch.equal(window, w0)  # sources untouched
+            # the same tensors again (a graph's kept steps at its next replay): the cached launch
+            again = T - 2 - last
+            kda_rollback(layers, again)
+            for rec, steps, conv, window in layers:
+                assert torch.equal(rec, steps[again]) and torch.equal(conv, window[again + 1:again + K]), (n, T, again)
     print("rollback kernel ok")
 
 

@@ -10,14 +10,16 @@ copied as they are (int32 words), whatever the dtypes.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
 BLOCK = 4096  # int32 words a program copies
 WARPS = 4
-_TABLES: dict[tuple[int, ...], torch.Tensor] = {}  # address tables on the device, by their addresses
-_MAX_TABLES = 64
+_PLANS: dict[tuple[int, ...], "_Plan"] = {}  # checked launches, by their tensors' addresses and shapes
+_MAX_PLANS = 64
 
 
 @triton.jit(do_not_specialize=["last"])  # one compiled kernel for every `last`
@@ -48,23 +50,46 @@ def _words(t: torch.Tensor) -> int:
     return n // 4
 
 
-def kda_rollback(layers: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]], last: int) -> None:
-    """For each (recurrent [h, dk, dv], kept states [T, h, dk, dv], conv [K-1, C], window [K-1+T, C]):
-    recurrent = kept[last] and conv = window[last + 1 : last + K]. Same shapes and dtypes in every layer."""
-    if not layers:
-        return
+@dataclass(frozen=True)
+class _Plan:
+    table: torch.Tensor  # int64 [layers, 4] on the device
+    state: int  # int32 words of one recurrent state
+    conv: int  # of one conv state
+    row: int  # of one conv window row
+    positions: int  # the kept steps' T
+
+    def launch(self, last: int) -> None:
+        assert 0 <= last < self.positions
+        ns = triton.cdiv(self.state, BLOCK)
+        grid = (self.table.shape[0], ns + triton.cdiv(self.conv, BLOCK))
+        kda_rollback_kernel[grid](self.table, last, STATE=self.state, CONV=self.conv, ROW=self.row, NS=ns,
+                                  BLOCK=BLOCK, num_warps=WARPS)
+
+
+def _plan(layers: list[tuple[torch.Tensor, ...]]) -> _Plan:
     rec, steps, conv, window = layers[0]
     state, cw, row = _words(rec), _words(conv), _words(window[0])
     for r, s, c, w in layers:
         assert r.shape == rec.shape and s.shape == steps.shape and c.shape == conv.shape and w.shape == window.shape
         assert r.dtype == s.dtype and c.dtype == w.dtype == conv.dtype and s.is_contiguous() and w.is_contiguous()
-    assert 0 <= last < steps.shape[0] and cw == (conv.shape[0]) * row
-    key = tuple(t.data_ptr() for layer in layers for t in layer)
-    table = _TABLES.get(key)
-    if table is None:
-        if len(_TABLES) >= _MAX_TABLES:
-            _TABLES.clear()
-        table = _TABLES[key] = torch.tensor(key, dtype=torch.int64).to(rec.device)
-    ns = triton.cdiv(state, BLOCK)
-    kda_rollback_kernel[(len(layers), ns + triton.cdiv(cw, BLOCK))](table, last, STATE=state, CONV=cw, ROW=row,
-                                                                     NS=ns, BLOCK=BLOCK, num_warps=WARPS)
+    assert cw == conv.shape[0] * row and steps.shape[1:] == rec.shape
+    table = torch.tensor([[t.data_ptr() for t in layer] for layer in layers], dtype=torch.int64).to(rec.device)
+    return _Plan(table, state, cw, row, steps.shape[0])
+
+
+def kda_rollback(layers: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]], last: int) -> None:
+    """For each (recurrent [h, dk, dv], kept states [T, h, dk, dv], conv [K-1, C], window [K-1+T, C]):
+    recurrent = kept[last] and conv = window[last + 1 : last + K]. Same shapes and dtypes in every layer.
+    The checks and the address table are made once per set of tensors (a verify graph's kept steps are
+    the same tensors at every replay): after that a call is a key and a launch."""
+    if not layers:
+        return
+    rec, steps, conv, window = layers[0]
+    key = tuple(t.data_ptr() for layer in layers for t in layer) + (
+        steps.shape[0], rec.numel(), rec.element_size(), conv.numel(), conv.element_size(), window.shape[-1])
+    plan = _PLANS.get(key)
+    if plan is None:
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.clear()
+        plan = _PLANS[key] = _plan(layers)
+    plan.launch(last)
