@@ -206,3 +206,26 @@ def test_verify_windows_on_the_tensor_core_gemv(model_dirs, monkeypatch):
     same = next((i for i, (x, y) in enumerate(zip(plain, spec)) if x != y), len(plain))
     assert same >= 24, (plain, spec)
     assert s.accept_length_mean >= 1.8
+
+
+@pytest.mark.parametrize("truncated", [False, True])
+def test_queued_verify_drafts_and_verifies_as_the_synced_loop(model_dirs, monkeypatch, truncated):
+    """SPARKCHAT_QUEUED_VERIFY=1 (the verify reads the drafts on the device, one host sync a cycle): the
+    very tokens and accept length of the loop that syncs between draft and verify, on the `agree` model
+    (drafts accepted, so the catch-up takes several slots and new chain graphs are captured after the
+    verify's), with the full draft head and one truncated to 64 rows."""
+    from sparkchat.engine.session import Engine
+
+    engine = Engine.load(model_dirs["agree"], device="cuda", dtype="bfloat16", max_context=512,
+                         quantize_experts=True)
+    prompt = list(range(5, 60))
+    runs = {}
+    for queued in ("0", "1"):
+        monkeypatch.setenv("SPARKCHAT_QUEUED_VERIFY", queued)
+        runs[queued] = _greedy(engine, prompt, mtp=True, fp8_head=True, mxfp4_kernels=True, cuda_graphs=True,
+                               truncated_draft_head=truncated, draft_vocab=64)
+    (synced, s0), (queued, s1) = runs["0"], runs["1"]
+    assert queued == synced and s1.accept_length_mean == s0.accept_length_mean
+    assert s1.draft_s > 0 and s1.verify_s > 0
+    if not truncated:
+        assert s1.accept_length_mean >= 1.5  # drafts were accepted: catch-ups over several slots ran
