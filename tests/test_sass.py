@@ -102,3 +102,17 @@ def test_tensor_core_gemvs_fit_the_sparks_shared_memory():
                   STAGES=cfg.stages, XS=0, XU=0, X_SWIGLU=False, PDL=True)
         kernel = sass_stats.compile_kernel(g.fp8_mma_kernel, sass_stats._GEMV_SIG, cx, cfg.warps, 121)
         assert kernel.metadata.shared <= 101376, (kind, kernel.metadata.shared)
+
+
+@pytest.mark.parametrize("arch", [90, 121])
+def test_rollback_kernel_compiles_for_both_targets(arch):
+    """The one-launch KDA rollback at the Ling shapes (35 layers of 32 x 128 x 128 fp32 states, bf16 conv
+    rows of 3 x 4096 channels) compiles for the H200 and the Spark's sm_121a: plain loads and stores."""
+    sass_stats = _tools()
+    from sparkchat.engine.kernels import kda_rollback as r
+
+    state, row = 32 * 128 * 128, 3 * 4096 * 2 // 4
+    cx = dict(STATE=state, CONV=3 * row, ROW=row, NS=state // r.BLOCK, BLOCK=r.BLOCK)
+    kernel = sass_stats.compile_kernel(r.kda_rollback_kernel, {"table_ptr": "*i64", "last": "i32"}, cx, r.WARPS, arch)
+    ptx = kernel.asm["ptx"]
+    assert "ld.global" in ptx and "st.global" in ptx and "wgmma" not in ptx and "cp.async.bulk" not in ptx
