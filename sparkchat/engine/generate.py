@@ -145,12 +145,11 @@ class Decoder:
         drafts = self._drafts[:k].copy_(self.draft_on_device(pending, k))
         for mark in self._marks[1:]:
             mark.record()
+        drafting = time.perf_counter() - t0  # off a GPU the chain has run by now
         _, logits, kept = self.forward([pending], keep_steps=True, tail=drafts)
         both = torch.cat([drafts, logits.argmax(-1)]).tolist()
         if self._marks:  # the chain's GPU time, queueing included: no sync between draft and verify
             drafting = self._marks[0].elapsed_time(self._marks[1]) / 1000
-        else:
-            drafting = 0.5 * (time.perf_counter() - t0)
         return both[:k], both[k:], kept, drafting
 
     def draft(self, pending: int, k: int, params: SamplingParams,
