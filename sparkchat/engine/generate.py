@@ -136,7 +136,7 @@ class Decoder:
         target's k+1 greedy picks, the verify's kept KDA steps, the chain's share of the time in s)."""
         if self._marks is None:
             self._marks = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if self.device.type == "cuda" else []
-            self._drafts = torch.empty(8, dtype=torch.long, device=self.device)
+            self._drafts = torch.empty(self.GRAPH_MAX_TOKENS, dtype=torch.long, device=self.device)
         t0 = time.perf_counter()
         for mark in self._marks[:1]:
             mark.record()

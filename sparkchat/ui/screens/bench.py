@@ -511,7 +511,7 @@ class BenchScreen(Screen[None]):
                              f"(NVIDIA: {NVIDIA_VERIFY_RATIO}×) · draft step {number(r.draft_step_ms)} ms · "
                              f"accept length {r.accept_length:.2f} "
                              f"({how})")
-            if getattr(r, "loop_cycle_ms", None) is not None:
+            if r.loop_cycle_ms is not None:
                 lines.append(f"the MTP loop as it runs (accept, roll back, stream included): "
                              f"{number(r.loop_cycle_ms)} ms a cycle → {number(r.loop_tpot_ms)} ms a token at "
                              f"accept length {r.accept_length:.2f}")
