@@ -44,6 +44,8 @@ def run(args: argparse.Namespace) -> int:
     from sparkchat.cli import EXIT_USAGE, fail
 
     _persistent_compile_cache()
+    # Read before loading: building the model already compiles a few Triton kernels (quantizers).
+    triton_cache_warm = _triton_cache_warm()
     from sparkchat.engine.draft_vocab import DEFAULT_DRAFT_VOCAB
     from sparkchat.settings import MIN_DRAFT_VOCAB
 
@@ -98,7 +100,6 @@ def run(args: argparse.Namespace) -> int:
         torch.cuda.synchronize()
     loaded_s = time.perf_counter() - t0
     progress = None if args.json else (lambda name: print(f"  measuring {name} …", file=sys.stderr))
-    triton_cache_warm = _triton_cache_warm()
     result = run_bench(model, context=args.context, iters=args.iters, draft_steps=args.draft_steps,
                        graphs=args.graphs, accept_length=accept, prefill=args.prefill, progress=progress,
                        draft_vocab=draft_vocab, draft_rows=rows, accept_length_full_head=accept_full)
