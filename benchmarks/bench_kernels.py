@@ -494,7 +494,7 @@ def bench_kda(rec: Recorder, sweep: bool) -> None:
         for nb, nw in launches:
             label = "default" if nb is None else f"dv_blocks={nb} warps={nw}"
             fns[f"kernel {label}"] = lambda nb=nb, nw=nw: kda_decode(*args, dv_blocks=nb, num_warps=nw)
-        state_bytes = heads * dh * dh * 4 * (2 + (T if keep else 0))
+        state_bytes = heads * dh * dh * 4 * (2 + (T - 1 if keep else 0))  # the last state is the layer's own
         for name, fn in fns.items():
             fn()
             torch.cuda.synchronize()

@@ -1,7 +1,8 @@
 """Profile one decode step at Ling-3.0-flash-fp4's full shapes (synthetic weights): where the time goes.
 
     python benchmarks/profile_step.py [--layers N] [--no-compile] [--prefill N | --timeline [--tokens T]
-                                      | --draft | --switch NAME | --ab]
+                                      | --draft | --switch NAME | --ab | --knockout
+                                      | --loop-switch NAME]
 
 With --prefill N it profiles the prefill of an N-token prompt instead (eager, as the engine runs it).
 With --timeline it traces replays of the graphed decode step and prints, per kernel, its count and
@@ -11,6 +12,13 @@ With --switch NAME it alternates one environment switch on and off, timing the g
 With --ab it times the graphed decode step with programmatic dependent launch (kernels/pdl.py), the
 shared expert's side stream (engine/streams.py) and the MoE's bf16x2 products (kernels/mxfp4_moe.py)
 all on, each off alone, and all off.
+With --knockout it times the graphed step and the 4-token verify with parts of every MoE layer taken
+out (the shared expert; the router, replaced by fixed ids) or moved (the shared expert on the main
+stream, or joined only after the routed experts): what each part costs on the step's critical path,
+with PDL and the side stream hiding what they can. The outputs are wrong, the times not.
+With --loop-switch NAME it alternates one environment switch in the real speculative loop
+(generate_tokens, greedy, 3 drafts, the 32K-row draft head, a 1000-token prompt) and prints the
+time a cycle.
 """
 
 from __future__ import annotations
@@ -38,6 +46,8 @@ def main() -> None:
     ap.add_argument("--draft", action="store_true", help="each kernel of a greedy 3-draft chain (MTP)")
     ap.add_argument("--switch", default=None, help="time the graphed step with this env switch 1/0 alternated")
     ap.add_argument("--ab", action="store_true", help="time PDL, the side stream and packed MoE products on and off")
+    ap.add_argument("--knockout", action="store_true", help="time the step without the shared expert / router")
+    ap.add_argument("--loop-switch", default=None, help="alternate this env switch 1/0 in the real MTP loop")
     args = ap.parse_args()
     if args.compile:
         enable_compile()
@@ -50,6 +60,12 @@ def main() -> None:
         return
     if args.switch:
         alternate(model, state, args.switch)
+        return
+    if args.knockout:
+        knockout(model, state)
+        return
+    if args.loop_switch:
+        alternate_loop(model, state, args.loop_switch)
         return
     if args.timeline:
         graph_timeline(model, state, args.tokens)
@@ -201,6 +217,67 @@ def alternate(model, state: ConversationState, name: str, rounds: int = 3) -> No
             fastpath.install(model, linears=True, experts=True, head=True)
             print(f"{name}={value}  graph decode step: {graph_step_ms(model, state):.3f} ms, "
                   f"verify of 4: {graph_step_ms(model, state, tokens=4):.3f} ms", flush=True)
+
+
+def knockout(model, state: ConversationState, rounds: int = 2) -> None:
+    """The graphed step and verify with every MoE layer's shared expert and/or router taken out."""
+    import types
+
+    from sparkchat.engine.nn.moe import MoE
+    from sparkchat.engine.nn.ops import ops
+    from sparkchat.engine.streams import fork
+
+    layers = [(m, m.shared_experts, m.side_stream) for m in model.modules() if isinstance(m, MoE)]
+    cfg, real_route = model.cfg, ops.route
+    gen = torch.Generator().manual_seed(0)
+    fixed = {}  # distinct experts per token, as random routing picks them; built before any capture
+    for T in (1, 4):
+        ids = torch.stack([torch.randperm(cfg.num_experts, generator=gen)[:cfg.num_experts_per_tok] for _ in range(T)])
+        fixed[T] = (ids.cuda(), torch.full(ids.shape, 1.0 / ids.shape[1], device="cuda"))
+
+    def fixed_route(x, *args, **kwargs):
+        return fixed[x.shape[0]]
+
+    def late_join(self, x):  # the shared expert joined after the routed experts, its output unused
+        shared, join = fork(self.side_stream, self.shared_experts, x)
+        ids, weights = self.gate(x)
+        out = self.fast_experts(x, ids, weights)
+        join()
+        return out
+
+    # (shared expert: "on" / "off" / "main" stream / "late" join, router on)
+    variants = {"everything": ("on", True), "no shared expert": ("off", True),
+                "fixed routing (no router)": ("on", False), "neither": ("off", False),
+                "shared expert on the main stream": ("main", True),
+                "shared expert joined late": ("late", True)}
+    for _ in range(rounds):
+        for label, (how, router) in variants.items():
+            for m, shared, side in layers:
+                m.shared_experts, m.side_stream = {"off": (None, None), "main": (shared, None)}.get(how, (shared, side))
+                m.forward = types.MethodType(late_join, m) if how == "late" else types.MethodType(MoE.forward, m)
+            ops.route = real_route if router else fixed_route
+            print(f"{label:<34} graph decode step: {graph_step_ms(model, state):.3f} ms, "
+                  f"verify of 4: {graph_step_ms(model, state, tokens=4):.3f} ms", flush=True)
+    for m, shared, side in layers:
+        m.shared_experts, m.side_stream = shared, side
+        del m.forward
+    ops.route = real_route
+
+
+def alternate_loop(model, state: ConversationState, name: str, rounds: int = 3, rows: int = 32768) -> None:
+    """The real speculative loop (bench's loop line, more tokens) with one switch on, off, on, off..."""
+    import os
+
+    from sparkchat.engine.bench import _loop_cycle
+
+    model.lm_head.set_draft_rows(list(range(rows)))
+    for _ in range(rounds):
+        for value in ("1", "0"):
+            os.environ[name] = value
+            cycle, per_cycle = _loop_cycle(model, state, 1000, 3, True, tokens=160)
+            print(f"{name}={value}  MTP loop: {1000 * cycle:.3f} ms a cycle, {per_cycle:.2f} tokens a cycle",
+                  flush=True)
+    model.lm_head.set_draft_rows(None)
 
 
 def profile_prefill(model, state: ConversationState, n: int) -> None:

@@ -123,6 +123,11 @@ def compare(case, device, *, seed=0, perturb=None, fold=False) -> list[str]:
     if not keep and s2 is not None:
         bad.append("steps returned without keep_steps")
     for name, got, want in states:
+        if got.shape != want.shape:
+            bad.append(f"{name}: shape {tuple(got.shape)}, the twin's {tuple(want.shape)}")
+            continue
+        if got.numel() == 0:  # one position: nothing kept (its state is the layer's own)
+            continue
         rel = (got - want).abs() / want.abs().max()
         if strict and rel.max().item() > 1e-4:
             bad.append(f"{name} off by {rel.max().item():.3g} of its max")

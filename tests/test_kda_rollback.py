@@ -20,7 +20,7 @@ def _layers(n: int, T: int, heads: int, d: int, K: int, C: int, conv_dtype, devi
     out = []
     for _ in range(n):
         rec = torch.randn(heads, d, d, generator=gen).to(device)
-        steps = torch.randn(T, heads, d, d, generator=gen).to(device)
+        steps = torch.randn(T - 1, heads, d, d, generator=gen).to(device)
         conv = torch.randn(K - 1, C, generator=gen).to(conv_dtype).to(device)
         window = torch.randn(K - 1 + T, C, generator=gen).to(conv_dtype).to(device)
         out.append((rec, steps, conv, window))
@@ -63,8 +63,10 @@ def test_kda_rollback_on_cuda():
 
 
 def test_rollback_to_the_last_position_moves_nothing(tmp_path):
-    """Keeping every position of a verify is the state the verify itself left: the copies would write
-    those very values, so rollback_kda skips them — and a rollback to an earlier position still copies."""
+    """A verify keeps the states after all its positions but the last: after the last one the state is
+    the layer's own, which the verify leaves in place, so rolling back to it moves nothing — and it is
+    the state a step without kept states leaves. Rolling back to an earlier position copies that
+    position's kept state, the state a shorter step leaves."""
     from sparkchat.engine.loader import load_model
     from sparkchat.engine.config import ModelConfig
     from sparkchat.engine.generate import Decoder
@@ -78,17 +80,31 @@ def test_rollback_to_the_last_position_moves_nothing(tmp_path):
     dec = Decoder(model, state)
     dec.forward(list(range(5, 20)))
     dec.commit(list(range(5, 20)))
-    before = state.snapshot()
-    _, _, kept = dec.forward([8, 9, 10, 11], keep_steps=True)
-    assert kept
-    for last in (3, 1):
-        want = {}
-        for i, s in kept.items():
-            k_1 = state.kda[i].conv.shape[0]
-            want[f"kda.{i}.recurrent"] = s.recurrent[last].clone()
-            want[f"kda.{i}.conv"] = s.window[last + 1:last + 1 + k_1].clone()
-        state.rollback_kda(kept, last)
-        got = state.snapshot()
-        for name, t in want.items():
-            assert torch.equal(got[name], t), (last, name)
-            assert not torch.equal(got[name], before[name])  # the verify did move the state
+    before = state.checkpoint()
+    kda = lambda: {n: t for n, t in state.snapshot().items() if n.startswith("kda.")}
+
+    def step(ids, keep):
+        state.restore(before)
+        return dec.forward(ids, keep_steps=keep)[2]
+
+    kept = step([8, 9, 10, 11], True)
+    assert kept and all(s.recurrent.shape[0] == 3 and s.window.shape[0] == 3 + 4 for s in kept.values())
+    after = kda()
+    state.rollback_kda(kept, 3)
+    assert all(torch.equal(t, after[n]) for n, t in kda().items())
+    step([8, 9, 10, 11], False)
+    assert all(torch.equal(t, after[n]) for n, t in kda().items())
+
+    kept = step([8, 9, 10, 11], True)
+    want = {}
+    for i, s in kept.items():
+        want[f"kda.{i}.recurrent"] = s.recurrent[1].clone()
+        want[f"kda.{i}.conv"] = s.window[2:2 + state.kda[i].conv.shape[0]].clone()
+    state.rollback_kda(kept, 1)
+    got = kda()
+    for name, t in want.items():
+        assert torch.equal(got[name], t), name
+        assert not torch.equal(t, after[name])
+    step([8, 9], False)
+    for name, t in kda().items():
+        assert torch.allclose(got[name], t, rtol=1e-5, atol=1e-6), name

@@ -70,7 +70,7 @@ class ConversationState:
         made of the K-1 inputs that end there. At the step's last position that is the state the step
         left, so nothing moves. On CUDA one kernel copies every layer (kernels/kda_rollback.py; the loop
         below is its twin; SPARKCHAT_ROLLBACK_KERNEL=0 keeps the loop)."""
-        if not kept or last == next(iter(kept.values())).recurrent.shape[0] - 1:
+        if not kept or last == next(iter(kept.values())).recurrent.shape[0]:  # the step's last position
             return
         if next(iter(self.kda.values())).recurrent.is_cuda and os.environ.get("SPARKCHAT_ROLLBACK_KERNEL", "1") != "0":
             from sparkchat.engine.kernels.kda_rollback import kda_rollback

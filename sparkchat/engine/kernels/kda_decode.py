@@ -101,7 +101,7 @@ def kda_decode_kernel(
     q_ptr, k_ptr, v_ptr, f_ptr, b_ptr, og_ptr,  # projections [T, D] ([T, H] for b), any strides
     conv_ptr, rec_ptr,  # states, updated in place: conv [K-1, 3D], recurrent [H, DH, DH] fp32 contiguous
     cw_ptr, alog_ptr, dtb_ptr, onw_ptr,  # conv weight [3D, K], A_log [H], dt_bias [D], o_norm weight [DH]
-    o_ptr, win_ptr, steps_ptr,  # outputs: o [T, D], window [K-1+T, 3D], steps [T, H, DH, DH] (KEEP only)
+    o_ptr, win_ptr, steps_ptr,  # outputs: o [T, D], window [K-1+T, 3D], steps [T-1, H, DH, DH] (KEEP only)
     cnt_ptr,  # [H] int32 arrival counters, zero between launches (NB > 1 only)
     s_q, s_qc, s_k, s_kc, s_v, s_vc, s_f, s_fc, s_b, s_bc, s_og, s_ogc, s_cv, s_cvc, s_w, s_wc,
     q_scale, lower_bound, eps,
@@ -205,7 +205,7 @@ def kda_decode_kernel(
         delta = (vs[t] - tl.sum(S * k[:, None], axis=0)) * B[t]
         S = S + k[:, None] * delta[None, :]
         o = _round(tl.sum(S * q[:, None], axis=0), dtype)  # the twin rounds o before the norm
-        if KEEP:
+        if KEEP and t < T - 1:  # the last position's state is the layer's own (stored below)
             tl.store(steps_ptr + t * H * DH * DH + h * DH * DH + i[:, None] * DH + j[None, :], S)
         if NB == 1:  # gated RMSNorm over the whole head, in the twin's order; round first: the cast is exact
             o = o * (1.0 / tl.sqrt(tl.sum(o * o, axis=0) / DH + eps))
@@ -263,7 +263,7 @@ def kda_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tenso
     assert dt_bias.is_contiguous() and o_norm_w.is_contiguous() and A_log.is_contiguous()
     o = torch.empty(T, D, dtype=q.dtype, device=q.device)
     window = torch.empty(K - 1 + T, 3 * D, dtype=q.dtype, device=q.device)
-    steps = (torch.empty(T, heads, head_dim, head_dim, dtype=torch.float32, device=q.device) if keep_steps
+    steps = (torch.empty(T - 1, heads, head_dim, head_dim, dtype=torch.float32, device=q.device) if keep_steps
              else None)
     cnt = arrival_counters("kda_decode", q.device, heads) if dv_blocks > 1 else o
     b = beta_logit if beta_logit is not None else o  # (unread when folded)

@@ -56,7 +56,7 @@ class _Plan:
     state: int  # int32 words of one recurrent state
     conv: int  # of one conv state
     row: int  # of one conv window row
-    positions: int  # the kept steps' T
+    positions: int  # the kept states: the step's T - 1
 
     def launch(self, last: int) -> None:
         assert 0 <= last < self.positions
@@ -78,8 +78,9 @@ def _plan(layers: list[tuple[torch.Tensor, ...]]) -> _Plan:
 
 
 def kda_rollback(layers: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]], last: int) -> None:
-    """For each (recurrent [h, dk, dv], kept states [T, h, dk, dv], conv [K-1, C], window [K-1+T, C]):
-    recurrent = kept[last] and conv = window[last + 1 : last + K]. Same shapes and dtypes in every layer.
+    """For each (recurrent [h, dk, dv], kept states [T-1, h, dk, dv], conv [K-1, C], window [K-1+T, C]):
+    recurrent = kept[last] and conv = window[last + 1 : last + K], for last < T-1 (at T-1 the step left
+    the state in place). Same shapes and dtypes in every layer.
     The checks and the address table are made once per set of tensors (a verify graph's kept steps are
     the same tensors at every replay): after that a call is a key and a launch."""
     if not layers:

@@ -29,7 +29,9 @@ class KDASteps:
     """Per-position states of one multi-token step, kept so a verify can roll back exactly."""
 
     window: torch.Tensor  # [K-1+T, 3D] conv inputs: the old conv state then the T new inputs
-    recurrent: torch.Tensor  # [T, heads, dk, dv] state after each position
+    # [T-1, heads, dk, dv] state after each position but the last: after the last one it is the
+    # layer's own state, which the step leaves in place (rolling back to it moves nothing)
+    recurrent: torch.Tensor
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -39,10 +41,11 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 def kda_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                   state: torch.Tensor, keep_steps: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The delta-rule recurrence, in fp32. q,k,g: [T, h, dk] (q,k already L2-normed, q scaled);
-    v: [T, h, dv]; beta: [T, h]; state: [h, dk, dv]. Returns (o [T, h, dv], final state, steps)."""
+    v: [T, h, dv]; beta: [T, h]; state: [h, dk, dv]. Returns (o [T, h, dv], final state, steps: the
+    states after positions 0 .. T-2, as KDASteps keeps them)."""
     T = q.shape[0]
     o = q.new_empty(T, q.shape[1], v.shape[-1])
-    steps = state.new_empty((T,) + state.shape) if keep_steps else None
+    steps = state.new_empty((T - 1,) + state.shape) if keep_steps else None
     S = state
     for t in range(T):
         S = S * g[t].exp().unsqueeze(-1)
@@ -50,7 +53,7 @@ def kda_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
         delta = (v[t] - kv_mem) * beta[t].unsqueeze(-1)
         S = S + k[t].unsqueeze(-1) * delta.unsqueeze(-2)
         o[t] = torch.einsum("hkv,hk->hv", S, q[t])
-        if steps is not None:
+        if steps is not None and t < T - 1:
             steps[t] = S
     return o, S, steps
 
