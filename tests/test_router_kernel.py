@@ -123,3 +123,45 @@ print("ok")
 def test_router_kernel_lane_best_ties():
     """Exact ids where only the tie rule decides: the per-lane bests must hand over the lowest index."""
     run_script(LANE_TIES_SCRIPT)
+
+
+SHARED_SCRIPT = """
+import torch
+from sparkchat.engine.kernels.fp8_gemv import fp8_block_gemv
+from sparkchat.engine.kernels.router import route, route_shared, shared_gate_up_config
+from sparkchat.engine.nn.moe import route as ref
+from sparkchat.engine.quant import dequant_fp8_block
+dev = "cuda" if torch.cuda.is_available() else "cpu"
+torch.manual_seed(2)
+# (E, groups, top groups, k, hidden, shared gate|up rows, tokens); on the GPU also the Ling shape
+cases = [(512, 8, 4, 8, 640, 256, 1), (512, 8, 4, 8, 640, 256, 4), (32, 4, 2, 4, 256, 384, 3)]
+if dev == "cuda":
+    cases += [(512, 8, 4, 8, 2560, 1536, 1), (512, 8, 4, 8, 2560, 1536, 4)]
+for E, G, TG, K, H, NS, T in cases:
+    for wdt in (torch.float32, torch.bfloat16):
+        x = torch.randn(T, H, device=dev).to(torch.bfloat16)
+        W = (torch.randn(E, H, device=dev) * 0.3 * (64 / H) ** 0.5).to(wdt)
+        b = torch.randn(E, device=dev) * 0.1
+        sw = torch.randn(NS, H, device=dev).to(torch.float8_e4m3fn)
+        ss = torch.rand(-(-NS // 128), -(-H // 128), device=dev) * 0.02 + 0.001
+        for renorm in (True, False):
+            for _ in range(2):  # the second launch finds the arrival counter reset by the first
+                ids, w, gu = route_shared(x, W, b, G, TG, K, 2.5, renorm, sw, ss)
+                # the very sums of the two launches it replaces: same GEMV programs, same configs
+                i2, w2 = route(x, W, b, G, TG, K, 2.5, renorm)
+                assert torch.equal(ids, i2) and torch.equal(w, w2), (E, H, T, ids, i2)
+                gu2 = fp8_block_gemv(x, sw, ss, config=shared_gate_up_config(T, NS, H))
+                assert torch.equal(gu, gu2), (E, H, NS, T)
+            i1, w1 = ref(x, W, b, G, TG, K, 2.5, renorm)  # and the torch twins
+            assert torch.equal(ids, i1) and torch.allclose(w, w1, atol=1e-5), (ids, i1)
+            want = x.float() @ dequant_fp8_block(sw, ss, dtype=torch.float32).T
+            assert torch.allclose(gu.float(), want, rtol=2 ** -7, atol=1e-3 * want.abs().max().item()), (gu, want)
+print("ok")
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed (CPU-only CI)")
+def test_route_shared_matches_its_two_launches_and_the_twins():
+    """The router and the shared expert's gate|up in one launch (route_shared): the ids, weights and
+    gate|up output of route() and fp8_block_gemv(), bit for bit, and the torch twins; twice in a row."""
+    run_script(SHARED_SCRIPT)
