@@ -130,24 +130,6 @@ def router_sass(arch: int) -> list[str] | None:
     return compile_sass(r.route_kernel, sig, cx, r.ROUTE_WARPS, arch)
 
 
-def route_shared(arch: int, T: int):
-    """route_shared_kernel (the router and the shared gate|up in one launch) compiled as the engine
-    launches it at the Ling shapes."""
-    from sparkchat.engine.kernels import fp8_gemv as g
-    from sparkchat.engine.kernels import router as r
-
-    sig = {"x_ptr": "*bf16", "rw_ptr": "*fp32", "part_ptr": "*fp32", "bias_ptr": "*fp32", "ids_ptr": "*i64",
-           "w_ptr": "*fp32", "scaling": "fp32", "sw_ptr": "*fp8e4nv", "ss_ptr": "*fp32", "sy_ptr": "*bf16",
-           "cnt_ptr": "*i32", "lim": "fp32"}
-    rc, sc = g.gemv_config("plain", T, E, H), r.shared_gate_up_config(T, 2 * INTER, H)
-    rbk, sbk = min(rc.bk, g._pow2(H)), min(sc.bk, g._pow2(H))
-    cx = dict(T=T, H=H, E=E, G=8, TG=4, K=K, KP=8, RENORM=True, R_BN=rc.bn, R_BK=rbk, R_UNROLL=rc.unroll,
-              R_SPLIT=g._split_for(H, rbk, rc.split), R_PREFETCH=rc.prefetch, R_ROW_ACC=rc.row_acc,
-              R_KACC=g._kacc(rc, rbk), NS=2 * INTER, S_BN=sc.bn, S_BK=sbk, S_UNROLL=sc.unroll,
-              S_PREFETCH=sc.prefetch, S_ROW_ACC=sc.row_acc, S_KACC=g._kacc(sc, sbk), PDL=True)
-    return compile_kernel(r.route_shared_kernel, sig, cx, sc.warps, arch)
-
-
 def mma_gemv(arch: int) -> tuple[object, float]:
     """The tensor-core FP8 GEMV as a 4-token verify launches it for KDA's fused projection: (the
     compiled kernel, weights a thread streams per k step)."""

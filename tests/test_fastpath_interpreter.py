@@ -45,10 +45,7 @@ from sparkchat.engine.nn.kda import KimiDeltaAttention
 from sparkchat.engine.nn.mla import MultiLatentAttention
 from sparkchat.engine.kernels.fp8_gemv import add_rms_norm, fp8_block_gemv_add_norm, fp8_block_gemv_swiglu
 from sparkchat.engine.nn.norm import RMSNorm
-calls, packed_x, fused_routes = [], [], []
-def counted_route_shared(x, *args):
-    fused_routes.append(x.shape[0])
-    return fastpath._route_shared(x, *args)
+calls, packed_x = [], []
 class CountingExperts(fastpath.ExpertsKernel):
     def __call__(self, x, *args, **kw):
         packed_x.append(hasattr(x, "moe_x"))
@@ -65,8 +62,6 @@ for m in model.modules():
         m.out_proj.fast_add_norm = fp8_block_gemv_add_norm
     if isinstance(m, moe.MoE):
         m.fast_experts = CountingExperts(m.experts)
-        if m.shared_experts is not None and m.shared_experts.fused is not None and m.shared_experts.fused.is_fp8:
-            m.fast_route_shared = counted_route_shared  # the router and shared gate|up in one launch
         m.experts.use_paired_words()  # as install() does on a GPU: the kernels read the paired word order
     elif isinstance(m, KimiDeltaAttention):
         m.fast_core = kda_decode
@@ -94,7 +89,6 @@ assert any(l.fast_add_norm is not None for l in model.linears())
 assert calls and max(calls) <= 8, calls  # the residual add + input norm of every layer after the first
 assert all(m.experts.paired for m in model.modules() if isinstance(m, moe.MoE))
 assert any(packed_x), packed_x  # decode steps' MoE layers got their input packed by the norm before
-assert fused_routes and max(fused_routes) == 1, fused_routes  # decode steps routed by route_shared
 print("ok", rel)
 """
 

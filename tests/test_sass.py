@@ -116,16 +116,3 @@ def test_rollback_kernel_compiles_for_both_targets(arch):
     kernel = sass_stats.compile_kernel(r.kda_rollback_kernel, {"table_ptr": "*i64", "last": "i32"}, cx, r.WARPS, arch)
     ptx = kernel.asm["ptx"]
     assert "ld.global" in ptx and "st.global" in ptx and "wgmma" not in ptx and "cp.async.bulk" not in ptx
-
-
-@pytest.mark.parametrize("arch", [90, 121])
-@pytest.mark.parametrize("T", [1, 4])
-def test_route_shared_kernel_compiles_for_both_targets(arch, T):
-    """The router and the shared expert's gate|up in one launch, at the Ling shapes, for the H200 and the
-    Spark's sm_121a: FMA GEMVs and one arrival counter, no Hopper-only instructions, registers for at
-    least two programs of its warps per SM."""
-    sass_stats = _tools()
-    kernel = sass_stats.route_shared(arch, T)
-    ptx = kernel.asm["ptx"]
-    assert "atom.global" in ptx and "wgmma" not in ptx and "cp.async.bulk" not in ptx
-    assert sass_stats.registers(kernel, "route_shared_kernel") <= 168

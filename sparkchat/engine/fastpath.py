@@ -71,20 +71,6 @@ class ExpertsKernel:
                          x_packed=getattr(x, "moe_x", None))  # written by the norm before (install)
 
 
-def route_shared_enabled() -> bool:
-    """A MoE layer's router and shared gate|up in one launch (kernels/router.py) with
-    SPARKCHAT_ROUTE_SHARED=1 (off until timed on a GPU)."""
-    return os.environ.get("SPARKCHAT_ROUTE_SHARED", "0") != "0"
-
-
-def _route_shared(x: torch.Tensor, router, mlp) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    from sparkchat.engine.kernels.router import route_shared
-
-    return route_shared(x.contiguous(), router.weight, router.expert_bias, router.groups, router.top_groups,
-                        router.top_k, router.scaling, router.renormalize, mlp.fused.weight,
-                        mlp.fused.weight_scale_inv)
-
-
 def side_stream_enabled() -> bool:
     """The shared expert runs on a side stream alongside the routing unless SPARKCHAT_SIDE_STREAM=0."""
     return os.environ.get("SPARKCHAT_SIDE_STREAM", "1") != "0"
@@ -200,13 +186,6 @@ def install(model, *, linears: bool, experts: bool, head: bool) -> None:
             m.side_stream = side_stream(m.experts.w13.device) if overlap else None
         elif isinstance(m, MultiLatentAttention):
             m.fast_step = mla_step if m.kv_b_proj.weight.is_cuda else None
-    for m in model.modules():  # after the loop above: the shared MLPs' swiglu_down is set by now
-        if isinstance(m, MoE):
-            shared = m.shared_experts
-            m.fast_route_shared = _route_shared if (
-                linears and m.fast_experts is not None and shared is not None and shared.fused is not None
-                and shared.fused.is_fp8 and shared.swiglu_down is not None and route_shared_enabled()
-                and (m.gate.weight.is_cuda or os.environ.get("TRITON_INTERPRET", "0") == "1")) else None
     if add_norm is not None and experts and moe_x_packed_enabled():
         import functools
 

@@ -144,29 +144,13 @@ def fp8_gemv_kernel(
     program holds RS row tiles of [BN, BK] fp8 per k step; each token's activation chunk is loaded
     once and used for every tile; accumulators ([BN, BK] fp32 per token and tile) are reduced over k
     once at the end. Split-K keeps every SM streaming when N has few row blocks (o_proj, down)."""
-    _gemv_program(tl.program_id(0), tl.num_programs(0), tl.program_id(1),
-                  x_ptr, w_ptr, s_ptr, y_ptr, pmax_ptr, pidx_ptr, T, N, K, BN, RS, BK, UNROLL, SCALE, OUT, SPLIT,
-                  PREFETCH, ROW_ACC, XS, XU, X_SWIGLU, lim, PDL, KACC, ADD_NORM, cnt_ptr, res_ptr, nw_ptr,
-                  s_out_ptr, h_ptr, ssq_ptr, eps, h16_ptr, hd_ptr, F16, hx_ptr, MOE_X, INTERPRET)
-
-
-@triton.jit
-def _gemv_program(
-    pid, NP, sid,  # this program's row block, their count, its K split
-    x_ptr, w_ptr, s_ptr, y_ptr, pmax_ptr, pidx_ptr, T: tl.constexpr, N: tl.constexpr, K: tl.constexpr,
-    BN: tl.constexpr, RS: tl.constexpr, BK: tl.constexpr, UNROLL: tl.constexpr, SCALE: tl.constexpr,
-    OUT: tl.constexpr, SPLIT: tl.constexpr, PREFETCH: tl.constexpr, ROW_ACC: tl.constexpr, XS: tl.constexpr,
-    XU: tl.constexpr, X_SWIGLU: tl.constexpr, lim, PDL: tl.constexpr, KACC: tl.constexpr,
-    ADD_NORM: tl.constexpr, cnt_ptr, res_ptr, nw_ptr, s_out_ptr, h_ptr, ssq_ptr, eps, h16_ptr, hd_ptr,
-    F16: tl.constexpr, hx_ptr, MOE_X: tl.constexpr, INTERPRET: tl.constexpr,
-):
-    """fp8_gemv_kernel's work for one program: a launch of its own, or one role of a fused launch
-    (kernels/router.py's route_shared_kernel)."""
+    pid = tl.program_id(0)
+    NP = tl.num_programs(0)
     r0 = pid * (RS * BN)
     sub = tl.arange(0, BN)
     kk = tl.arange(0, BK)
     KS: tl.constexpr = K // SPLIT  # columns per split (a multiple of BK when SPLIT > 1)
-    k_lo = sid * KS
+    k_lo = tl.program_id(1) * KS
     EVEN_K: tl.constexpr = K % BK == 0
     EVEN_N: tl.constexpr = N % (RS * BN) == 0
     KB: tl.constexpr = (K + SCALE_BLOCK - 1) // SCALE_BLOCK
@@ -227,7 +211,7 @@ def _gemv_program(
             elif OUT == 1:
                 tl.store(y_ptr + t * N + rows, y, mask=rows < N)
             else:
-                tl.store(y_ptr + (sid * T + t) * N + rows, y, mask=rows < N)
+                tl.store(y_ptr + (tl.program_id(1) * T + t) * N + rows, y, mask=rows < N)
         if OUT == 2:
             tl.store(pmax_ptr + t * NP + pid, bv)
             tl.store(pidx_ptr + t * NP + pid, bi)

@@ -25,9 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sparkchat.engine.kernels.counters import arrival_counters
-from sparkchat.engine.kernels.fp8_gemv import (
-    GemvConfig, _gemv_program, _kacc, _pow2, _split_for, gemv_config, plain_gemv_partials)
+from sparkchat.engine.kernels.fp8_gemv import GemvConfig, plain_gemv_partials
 from sparkchat.engine.kernels.pdl import pdl_args, pdl_wait
 
 
@@ -49,17 +47,8 @@ def _ordered(x):
 def route_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, scaling,
                  E: tl.constexpr, G: tl.constexpr, TG: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
                  RENORM: tl.constexpr, T: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr = False):
+    t = tl.program_id(0)
     pdl_wait(PDL)
-    _route_token(logits_ptr, bias_ptr, ids_ptr, w_ptr, scaling, tl.program_id(0), E, G, TG, K, KP, RENORM, T,
-                 SPLIT, "")
-
-
-@triton.jit
-def _route_token(logits_ptr, bias_ptr, ids_ptr, w_ptr, scaling, t, E: tl.constexpr, G: tl.constexpr,
-                 TG: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, RENORM: tl.constexpr, T: tl.constexpr,
-                 SPLIT: tl.constexpr, CACHE: tl.constexpr):
-    """Token t's routing from the logits' SPLIT partials. CACHE: the partials' loads' cache modifier
-    (".cg" where other programs of the same launch wrote them: L1 is not coherent)."""
     GS: tl.constexpr = E // G
     # [E] as [R, L, V]: V consecutive experts per lane (the loads' 16-byte vectors), L lanes, R repeats,
     # so that axes 0 and 2 are inside a thread: a lane's candidates reduce without data movement
@@ -67,9 +56,9 @@ def _route_token(logits_ptr, bias_ptr, ids_ptr, w_ptr, scaling, t, E: tl.constex
     L: tl.constexpr = E // V if E // V < 32 else 32
     R: tl.constexpr = E // (L * V)
     ar = tl.arange(0, E)
-    logit = tl.load(logits_ptr + t * E + ar, cache_modifier=CACHE)
+    logit = tl.load(logits_ptr + t * E + ar)
     for p in tl.static_range(1, SPLIT):  # the GEMV's split-K partial sums, added in a fixed order
-        logit += tl.load(logits_ptr + (p * T + t) * E + ar, cache_modifier=CACHE)
+        logit += tl.load(logits_ptr + (p * T + t) * E + ar)
     c = tl.sigmoid(logit) + tl.load(bias_ptr + ar)
     c2 = tl.reshape(c, (G, GS))
     # each group's two best in one reduction of (best, second) pairs: no argmax and no second pass
@@ -103,9 +92,9 @@ def _route_token(logits_ptr, bias_ptr, ids_ptr, w_ptr, scaling, t, E: tl.constex
     # the weights: the chosen experts' logits reloaded (cache hits) and summed in the same order as above,
     # so bit-identical to their scores, instead of one more reduction (a masked sum) per pick
     kmask = kr < K
-    li = tl.load(logits_ptr + t * E + ids, mask=kmask, other=0.0, cache_modifier=CACHE)
+    li = tl.load(logits_ptr + t * E + ids, mask=kmask, other=0.0)
     for p in tl.static_range(1, SPLIT):
-        li += tl.load(logits_ptr + (p * T + t) * E + ids, mask=kmask, other=0.0, cache_modifier=CACHE)
+        li += tl.load(logits_ptr + (p * T + t) * E + ids, mask=kmask, other=0.0)
     ws = tl.where(kmask, tl.sigmoid(li), 0.0)
     if RENORM:
         ws = ws / (tl.sum(ws, axis=0) + 1e-20)
@@ -137,81 +126,3 @@ def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, groups: int
                        KP=triton.next_power_of_2(top_k), RENORM=renormalize, T=T, SPLIT=logits.shape[0],
                        num_warps=num_warps or ROUTE_WARPS, **pdl_args(x.device))
     return ids, w
-
-
-@triton.jit
-def route_shared_kernel(
-    x_ptr, rw_ptr, part_ptr, bias_ptr, ids_ptr, w_ptr, scaling, sw_ptr, ss_ptr, sy_ptr, cnt_ptr, lim,
-    T: tl.constexpr, H: tl.constexpr, E: tl.constexpr, G: tl.constexpr, TG: tl.constexpr, K: tl.constexpr,
-    KP: tl.constexpr, RENORM: tl.constexpr,
-    R_BN: tl.constexpr, R_BK: tl.constexpr, R_UNROLL: tl.constexpr, R_SPLIT: tl.constexpr,
-    R_PREFETCH: tl.constexpr, R_ROW_ACC: tl.constexpr, R_KACC: tl.constexpr,
-    NS: tl.constexpr, S_BN: tl.constexpr, S_BK: tl.constexpr, S_UNROLL: tl.constexpr,
-    S_PREFETCH: tl.constexpr, S_ROW_ACC: tl.constexpr, S_KACC: tl.constexpr,
-    PDL: tl.constexpr = False, INTERPRET: tl.constexpr = False,
-):
-    """A MoE layer's router and its shared expert's gate|up projection in one launch (both read the
-    layer's input): the first programs stream the router's plain weight into split-K partial logits,
-    as plain_gemv_partials does, and the last of them to finish routes every token (_route_token);
-    the other programs stream the shared expert's FP8 gate|up rows (fp8_block_gemv's work, whole rows).
-    One launch where there were three: the router's two, one after the other, and the shared gate|up
-    beside them on a side stream."""
-    pid = tl.program_id(0)
-    RB: tl.constexpr = (E + R_BN - 1) // R_BN
-    NR: tl.constexpr = RB * R_SPLIT
-    if pid < NR:
-        _gemv_program(pid % RB, RB, pid // RB, x_ptr, rw_ptr, rw_ptr, part_ptr, part_ptr, part_ptr, T, E, H, R_BN,
-                      1, R_BK, R_UNROLL, 2, 3, R_SPLIT, R_PREFETCH, R_ROW_ACC, 0, 0, False, lim, PDL, R_KACC,
-                      False, None, None, None, None, None, None, 0.0, None, None, False, None, False, INTERPRET)
-        # the CUTLASS semaphore pattern: CTA barrier, one release atomic, the last arrival's acquire
-        tl.debug_barrier()
-        if tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu") == NR - 1:
-            for t in tl.static_range(T):
-                _route_token(part_ptr, bias_ptr, ids_ptr, w_ptr, scaling, t, E, G, TG, K, KP, RENORM, T, R_SPLIT,
-                             ".cg")
-            tl.atomic_xchg(cnt_ptr, 0)  # ready for the next launch
-    else:
-        _gemv_program(pid - NR, (NS + S_BN - 1) // S_BN, 0, x_ptr, sw_ptr, ss_ptr, sy_ptr, sy_ptr, sy_ptr, T, NS, H,
-                      S_BN, 1, S_BK, S_UNROLL, 0, 0, 1, S_PREFETCH, S_ROW_ACC, 0, 0, False, lim, PDL, S_KACC, False,
-                      None, None, None, None, None, None, 0.0, None, None, False, None, False, INTERPRET)
-
-
-def shared_gate_up_config(T: int, N: int, K: int) -> GemvConfig:
-    """The shared gate|up GEMV's config inside route_shared: the tuned one unless that is the
-    tensor-core kernel (several tokens) or splits K; then FMAs over whole rows, reduced over k each step
-    (several tokens' [rows, k] accumulators would spill)."""
-    cfg = gemv_config("block", T, N, K)
-    return cfg if not cfg.mma and cfg.split == 1 else GemvConfig(bn=8, rs=1, bk=512, unroll=1, warps=2, row_acc=True)
-
-
-def route_shared(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, groups: int, top_groups: int,
-                 top_k: int, scaling: float, renormalize: bool, shared_w: torch.Tensor, shared_scale: torch.Tensor,
-                 *, num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """route(x, weight, …)'s (ids, weights) and fp8_block_gemv(x, shared_w, shared_scale) — the shared
-    expert's gate|up output, bf16 [T, N] — from one launch.
-    x: bf16 [T ≤ 8, H] on CUDA (or under the interpreter); weight: the router's plain [E, H]."""
-    T, H = x.shape
-    E, NS = weight.shape[0], shared_w.shape[0]
-    assert 1 <= T <= 8 and x.dtype == torch.bfloat16 and x.is_contiguous() and (x.is_cuda or _interpreting())
-    assert E % groups == 0 and (E & (E - 1)) == 0 and (groups & (groups - 1)) == 0, "power-of-two E and groups"
-    assert weight.shape == (E, H) and weight.dtype in (torch.float32, torch.bfloat16) and weight.is_contiguous()
-    assert bias.dtype == torch.float32 and bias.shape == (E,)
-    assert shared_w.dtype == torch.float8_e4m3fn and shared_w.shape[1] == H and shared_w.is_contiguous()
-    assert shared_scale.shape == (triton.cdiv(NS, 128), triton.cdiv(H, 128)) and shared_scale.is_contiguous()
-    rc, sc = gemv_config("plain", T, E, H), shared_gate_up_config(T, NS, H)
-    rbk, sbk = min(rc.bk, _pow2(H)), min(sc.bk, _pow2(H))
-    assert rc.rs == 1 and sc.rs == 1 and 128 % sc.bn == 0
-    rsplit = _split_for(H, rbk, rc.split)
-    part = torch.empty(rsplit, T, E, dtype=torch.float32, device=x.device)
-    gate_up = torch.empty(T, NS, dtype=torch.bfloat16, device=x.device)
-    ids = torch.empty(T, top_k, dtype=torch.int64, device=x.device)
-    w = torch.empty(T, top_k, dtype=torch.float32, device=x.device)
-    grid = (triton.cdiv(E, rc.bn) * rsplit + triton.cdiv(NS, sc.bn),)
-    route_shared_kernel[grid](
-        x, weight, part, bias, ids, w, float(scaling), shared_w, shared_scale, gate_up,
-        arrival_counters("route_shared", x.device, 1), float("inf"),
-        T=T, H=H, E=E, G=groups, TG=top_groups, K=top_k, KP=triton.next_power_of_2(top_k), RENORM=renormalize,
-        R_BN=rc.bn, R_BK=rbk, R_UNROLL=rc.unroll, R_SPLIT=rsplit, R_PREFETCH=rc.prefetch, R_ROW_ACC=rc.row_acc,
-        R_KACC=_kacc(rc, rbk), NS=NS, S_BN=sc.bn, S_BK=sbk, S_UNROLL=sc.unroll, S_PREFETCH=sc.prefetch, S_ROW_ACC=sc.row_acc, S_KACC=_kacc(sc, sbk), INTERPRET=_interpreting(),
-        num_warps=num_warps or sc.warps, **pdl_args(x.device))
-    return ids, w, gate_up

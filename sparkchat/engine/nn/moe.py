@@ -39,16 +39,12 @@ class MLP(nn.Module):
     def input_projections(self) -> list[Linear]:
         return [self.gate_proj, self.up_proj]
 
-    def down_from(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """The rest of forward() from the fused gate|up output (GPU path: swiglu_down set)."""
-        down = self.down_proj
-        return self.swiglu_down(gate_up, self.fused.offsets[1], self.limit, down.weight, down.weight_scale_inv)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         down = self.down_proj
         if (self.swiglu_down is not None and self.fused is not None and x.shape[0] <= GEMV_MAX_TOKENS
                 and down.is_fp8):
-            return self.down_from(self.fused(x))
+            return self.swiglu_down(self.fused(x), self.fused.offsets[1], self.limit, down.weight,
+                                    down.weight_scale_inv)
         gate, up = project(self.fused, self.input_projections(), x)
         return self.down_proj(ops.swiglu(gate, up, self.limit))
 
@@ -159,18 +155,8 @@ class MoE(nn.Module):
         self.shared_experts = MLP(hidden, inter * shared, shared_limit) if shared else None
         self.fast_experts = None  # set by the GPU path: a callable with Experts.forward's signature
         self.side_stream = None  # set by the GPU path: the shared expert runs there, alongside the routing
-        # set by the GPU path: callable(x, router, shared MLP) -> (ids, weights, the shared gate|up output)
-        # in one launch for bf16 decode windows (kernels/router.py, route_shared); the shared down GEMV
-        # then runs on side_stream
-        self.fast_route_shared = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fast_route_shared is not None and x.shape[0] <= GEMV_MAX_TOKENS and x.dtype == torch.bfloat16:
-            ids, weights, gate_up = self.fast_route_shared(x, self.gate, self.shared_experts)
-            if self.side_stream is None:
-                return self.fast_experts(x, ids, weights, add=self.shared_experts.down_from(gate_up))
-            shared, join = fork(self.side_stream, self.shared_experts.down_from, gate_up)  # beside the experts
-            return self.fast_experts(x, ids, weights, add=shared, join=join)
         if self.fast_experts is not None and self.shared_experts is not None and self.side_stream is not None:
             shared, join = fork(self.side_stream, self.shared_experts, x)  # overlaps the routing
             ids, weights = self.gate(x)
