@@ -18,7 +18,7 @@ stream, or joined only after the routed experts): what each part costs on the st
 with PDL and the side stream hiding what they can. The outputs are wrong, the times not.
 With --loop-switch NAME it alternates one environment switch in the real speculative loop
 (generate_tokens, greedy, 3 drafts, the 32K-row draft head, a 1000-token prompt) and prints the
-time a cycle.
+time a cycle; with --loop-sampling it alternates greedy and sampled (temperature 0.7) decoding there.
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ def main() -> None:
     ap.add_argument("--ab", action="store_true", help="time PDL, the side stream and packed MoE products on and off")
     ap.add_argument("--knockout", action="store_true", help="time the step without the shared expert / router")
     ap.add_argument("--loop-switch", default=None, help="alternate this env switch 1/0 in the real MTP loop")
+    ap.add_argument("--loop-sampling", action="store_true", help="the real MTP loop greedy and sampled, alternated")
     args = ap.parse_args()
     if args.compile:
         enable_compile()
@@ -66,6 +67,9 @@ def main() -> None:
         return
     if args.loop_switch:
         alternate_loop(model, state, args.loop_switch)
+        return
+    if args.loop_sampling:
+        alternate_loop(model, state, None)
         return
     if args.timeline:
         graph_timeline(model, state, args.tokens)
@@ -264,8 +268,9 @@ def knockout(model, state: ConversationState, rounds: int = 2) -> None:
     ops.route = real_route
 
 
-def alternate_loop(model, state: ConversationState, name: str, rounds: int = 3, rows: int = 32768) -> None:
-    """The real speculative loop (bench's loop line, more tokens) with one switch on, off, on, off..."""
+def alternate_loop(model, state: ConversationState, name: str | None, rounds: int = 3, rows: int = 32768) -> None:
+    """The real speculative loop (bench's loop line, more tokens) with one switch on, off, on, off...;
+    name None: greedy, then sampled at temperature 0.7 (drafts a step at a time, the acceptance rule)."""
     import os
 
     from sparkchat.engine.bench import _loop_cycle
@@ -273,10 +278,13 @@ def alternate_loop(model, state: ConversationState, name: str, rounds: int = 3, 
     model.lm_head.set_draft_rows(list(range(rows)))
     for _ in range(rounds):
         for value in ("1", "0"):
-            os.environ[name] = value
-            cycle, per_cycle = _loop_cycle(model, state, 1000, 3, True, tokens=160)
-            print(f"{name}={value}  MTP loop: {1000 * cycle:.3f} ms a cycle, {per_cycle:.2f} tokens a cycle",
-                  flush=True)
+            if name is None:
+                label, temperature = ("greedy", 0.0) if value == "1" else ("sampled, temperature 0.7", 0.7)
+            else:
+                os.environ[name] = value
+                label, temperature = f"{name}={value}", 0.0
+            cycle, per_cycle = _loop_cycle(model, state, 1000, 3, True, tokens=160, temperature=temperature)
+            print(f"{label}  MTP loop: {1000 * cycle:.3f} ms a cycle, {per_cycle:.2f} tokens a cycle", flush=True)
     model.lm_head.set_draft_rows(None)
 
 

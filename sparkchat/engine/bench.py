@@ -315,15 +315,16 @@ def run_bench(model: LingModel, *, context: int = 1024, iters: int = 20, draft_s
 
 
 def _loop_cycle(model: LingModel, state: ConversationState, context: int, k: int,
-                use_graphs: bool, tokens: int = 40) -> tuple[float, float]:
-    """(seconds a speculative cycle, tokens a cycle) of generate_tokens, greedy, after a prompt that
-    fills the context. Run twice: the first run captures the graphs the second one replays."""
+                use_graphs: bool, tokens: int = 40, temperature: float = 0.0) -> tuple[float, float]:
+    """(seconds a speculative cycle, tokens a cycle) of generate_tokens, greedy (or sampled at
+    `temperature`), after a prompt that fills the context. Run twice: the first run captures the
+    graphs the second one replays."""
     from sparkchat.engine.events import SamplingParams
     from sparkchat.engine.generate import generate_tokens
 
     prompt = [(i * 7919) % model.cfg.vocab_size for i in range(max(1, min(context, state.max_context - tokens - 8)))]
     graphs = _graphs(model, state) if use_graphs else None
-    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+    params = SamplingParams(temperature=temperature, max_tokens=tokens, ignore_eos=True, seed=0)
     for _ in range(2):
         state.reset()
         stamps, counts = [], []
