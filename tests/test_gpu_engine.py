@@ -28,13 +28,13 @@ def model_dirs(tmp_path_factory) -> dict[str, Path]:
     return {"random": make_model_dir(root / "random"), "agree": agree}
 
 
-def _greedy(engine, prompt, n=48, **switches):
+def _greedy(engine, prompt, n=48, sampling=None, **switches):
     from sparkchat.engine.events import SamplingParams, Switches
 
     engine.set_switches(Switches(**switches))
     engine.reset()
     tokens, stats = [], None
-    for event in engine.generate_ids(prompt, SamplingParams(max_tokens=n, ignore_eos=True)):
+    for event in engine.generate_ids(prompt, sampling or SamplingParams(max_tokens=n, ignore_eos=True)):
         tokens += event.token_ids
         stats = event.stats
     return tokens, stats
@@ -229,3 +229,31 @@ def test_queued_verify_drafts_and_verifies_as_the_synced_loop(model_dirs, monkey
     assert s1.draft_s > 0 and s1.verify_s > 0
     if not truncated:
         assert s1.accept_length_mean >= 1.5  # drafts were accepted: catch-ups over several slots ran
+
+
+@pytest.mark.parametrize("truncated", [False, True])
+def test_sampled_drafts_in_one_graph(model_dirs, monkeypatch, truncated):
+    """Sampled MTP (temperature 0.8, top-p 0.95) with the drafts drawn inside the chain graph: the verify
+    queued behind it or not, the same seed gives the same tokens (the same draws, in the same order);
+    the agree model's drafts are still accepted; a replay per draft step draws differently but validly."""
+    from sparkchat.engine.events import SamplingParams
+    from sparkchat.engine.session import Engine
+
+    engine = Engine.load(model_dirs["agree"], device="cuda", dtype="bfloat16", max_context=512,
+                         quantize_experts=True)
+    prompt = list(range(5, 60))
+    sampling = SamplingParams(temperature=0.8, top_p=0.95, seed=11, max_tokens=48, ignore_eos=True)
+    switches = dict(mtp=True, fp8_head=True, mxfp4_kernels=True, cuda_graphs=True, truncated_draft_head=truncated,
+                    draft_vocab=64)
+    runs = {}
+    for queued in ("0", "1"):
+        monkeypatch.setenv("SPARKCHAT_QUEUED_VERIFY", queued)
+        runs[queued] = _greedy(engine, prompt, sampling=sampling, **switches)
+    (synced, s0), (queued, s1) = runs["0"], runs["1"]
+    assert queued == synced and len(queued) == 48, (queued, synced)
+    assert s1.draft_s > 0 and s1.verify_s > 0
+    if not truncated:
+        assert s1.accept_length_mean > 1.2, s1.accept_length_mean
+    monkeypatch.setenv("SPARKCHAT_DRAFT_CHAIN", "0")
+    stepwise, _ = _greedy(engine, prompt, sampling=sampling, **switches)
+    assert len(stepwise) == 48 and all(0 <= t < engine.model.cfg.vocab_size for t in stepwise)

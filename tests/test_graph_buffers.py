@@ -51,27 +51,26 @@ class _Replay:
     def replay(self) -> None:
         with torch.inference_mode():  # the outputs were made in inference mode
             for other in self.owner.graphs.values():
-                if other is not self.c:
+                if other is not self.c and self.owner.spoil:
                     _spoil(other.out)
             _copy_into(self.c.out, self.owner._run(*self.args))
 
 
 class SpoilingGraphs(G.StepGraphs):
-    def __init__(self, model, state) -> None:
+    def __init__(self, model, state, spoil: bool = True) -> None:
         self.model, self.state = model, state
         self.device = model.embed.device
         self.graphs = {}
+        self.spoil = spoil  # False: replays leave other graphs' outputs alone (a reference to compare with)
 
-    def _capture(self, kind, T, bucket, keep_steps, start, chain=0):
-        H = self.model.cfg.hidden_size
-        c = G._Captured(None, torch.zeros(T, dtype=torch.long), torch.arange(start, start + T + max(chain - 1, 0)),
-                        torch.zeros(T, H, dtype=self.model.embed.dtype) if kind != "target" else None, ())
+    def _capture(self, kind, T, bucket, keep_steps, start, chain=0, sampling=None):
+        c = self._inputs(kind, T, start, chain, sampling)
         saved = [(s.conv.clone(), s.recurrent.clone()) for s in self.state.kda.values()]
-        c.out = self._run(kind, c, bucket, keep_steps, chain)  # the capture runs the step, as on the GPU
+        c.out = self._run(kind, c, bucket, keep_steps, chain, sampling)  # the capture runs the step, as on a GPU
         for s, (conv, rec) in zip(self.state.kda.values(), saved):
             s.conv.copy_(conv)
             s.recurrent.copy_(rec)
-        c.graph = _Replay(self, c, (kind, c, bucket, keep_steps, chain))
+        c.graph = _Replay(self, c, (kind, c, bucket, keep_steps, chain, sampling))
         return c
 
 
@@ -100,3 +99,35 @@ def test_speculative_loop_reads_graph_outputs_before_the_next_replay(agree_dir, 
     graphed, accept = run(True, True)
     assert eager == plain and graphed == plain
     assert accept is not None and accept > 1.5  # drafts were accepted: the catch-up took several slots
+
+
+def test_sampled_drafts_in_one_graph_read_their_outputs_before_the_next_replay(agree_dir, monkeypatch):
+    """Sampled MTP with the drafts drawn inside the chain graph: with the verify queued behind the chain
+    or not, spoiling stand-in or not, the same seed gives the same tokens — the loop reads every graph
+    output before another graph replays, and both loops draw from the generator in the same order."""
+    from sparkchat.engine.config import ModelConfig
+    from sparkchat.engine.loader import load_model
+    from sparkchat.engine.state import ConversationState
+
+    cfg = ModelConfig.from_dir(agree_dir)
+    model = load_model(agree_dir, cfg, "cpu", torch.float32, 256)
+    params = SamplingParams(temperature=0.8, top_p=0.95, seed=7, max_tokens=40, ignore_eos=True)
+
+    def run(queued: str, spoil: bool) -> tuple[list[int], object]:
+        monkeypatch.setenv("SPARKCHAT_QUEUED_VERIFY", queued)
+        state = ConversationState.allocate(cfg, 256, "cpu", torch.float32)
+        tokens, stats = [], None
+        for out in generate_tokens(model, state, list(range(5, 30)), params, set(), mtp=True, draft_steps=3,
+                                   graphs=SpoilingGraphs(model, state, spoil)):
+            tokens += out.tokens
+            stats = out.stats
+        return tokens, stats
+
+    reference, stats = run("0", False)
+    assert len(reference) == 40 and all(0 <= t < cfg.vocab_size for t in reference)
+    assert stats.accept_length_mean > 1.2 and stats.draft_s > 0  # the agree model's drafts get accepted
+    for queued, spoil in (("0", True), ("1", False), ("1", True)):
+        assert run(queued, spoil)[0] == reference, (queued, spoil)
+    monkeypatch.setenv("SPARKCHAT_DRAFT_CHAIN", "0")  # a replay per draft step: another draw, same model
+    other, _ = run("1", True)
+    assert len(other) == 40 and other[:1] == reference[:1]  # the first token comes before any draft

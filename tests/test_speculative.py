@@ -11,7 +11,7 @@ from sparkchat.engine.events import SamplingParams, Switches
 from sparkchat.engine.generate import Decoder, generate_tokens
 from sparkchat.engine.loader import load_model
 from sparkchat.engine.model import LingModel
-from sparkchat.engine.sampling import speculative_accept
+from sparkchat.engine.sampling import race_draw, speculative_accept
 from sparkchat.engine.state import ConversationState
 from tests.conftest import make_model_dir
 
@@ -94,6 +94,25 @@ def test_speculative_sampling_keeps_the_target_distribution():
     assert (freq - p[0]).abs().max() < 0.012, freq  # ~4 standard errors at 30k draws
     freq2 = second / second.sum()
     assert (freq2 - p[1]).abs().max() < 0.03, freq2
+
+
+def test_race_draw_samples_the_distribution():
+    """The in-graph draw (sampled drafts in the chain graph) picks each token with its probability,
+    never a zero-probability one, and survives uniforms of exactly 0."""
+    g = torch.Generator().manual_seed(1)
+    q = torch.tensor([0.45, 0.0, 0.3, 0.15, 0.1, 0.0])
+    trials = 30000
+    u = torch.rand(trials, q.numel(), generator=g)
+    u[::7, 1] = 0.0  # E = inf where q is 0: 0 / inf, not a NaN
+    u[::11, 2] = 0.0  # E = inf where q is not: that draw skips token 2
+    picks = torch.stack([race_draw(q, row) for row in u])
+    freq = torch.bincount(picks, minlength=q.numel()).float() / trials
+    assert freq[1] == 0 and freq[5] == 0, freq
+    # token 2 cannot win the rows whose uniform for it was 0: those draw from q without it
+    without = q.clone()
+    without[2] = 0
+    want = (10 * q + without / without.sum()) / 11
+    assert (freq - want).abs().max() < 0.012, (freq, want)  # ~4 standard errors
 
 
 def test_speculative_sampling_matches_plain_sampling_statistics(agree_dir):

@@ -116,41 +116,71 @@ class Decoder:
         return start, st.token_ids[start + 1:n] + [pending], st.hidden[start:n]
 
     def chain_ok(self, k: int) -> bool:
-        """Whether a greedy draft runs as one graph (SPARKCHAT_DRAFT_CHAIN=0: a replay per step)."""
+        """Whether a draft runs as one graph (SPARKCHAT_DRAFT_CHAIN=0: a replay per step)."""
         st = self.state
         return (self.graphs is not None and k > 0 and st.length - st.mtp_length <= self.GRAPH_MAX_TOKENS
                 and os.environ.get("SPARKCHAT_DRAFT_CHAIN", "1") != "0")
 
-    def draft_on_device(self, pending: int, k: int) -> torch.Tensor | None:
-        """mtp_catch_up and k greedy draft steps as one graph replay, queued: the k tokens (the graph's
-        int64 buffer: graphs share a memory pool, so it is only good until the next replay of any graph)
-        — or None where there is no chain (chain_ok)."""
+    def draft_on_device(self, pending: int, k: int, params: SamplingParams | None = None,
+                        gen: torch.Generator | None = None) -> tuple[torch.Tensor, ...] | None:
+        """mtp_catch_up and k draft steps as one graph replay, queued: (the k tokens,) — greedy, or with
+        `params` (temperature > 0) drawn, with their draft distributions [k, V] over the whole vocabulary
+        after them (a copy). The tokens are the graph's own buffer (graphs share a memory pool: only
+        good until the next replay of any graph). None where there is no chain (chain_ok)."""
         if not self.chain_ok(k):
             return None
         start, next_ids, hidden = self._catch_up_slots(pending)
-        return self.graphs.replay_draft_chain(next_ids, start, hidden, k)
+        sampling = params if params is not None and params.temperature > 0 else None
+        out = self.graphs.replay_draft_chain(next_ids, start, hidden, k, sampling, gen)
+        rows = self.model.lm_head.draft_ids
+        if sampling is None:
+            return out
+        if rows is None:
+            return out[0], out[1].clone()
+        q = torch.zeros(k, self.model.cfg.vocab_size, dtype=out[1].dtype, device=out[1].device)
+        return out[0], q.index_copy_(1, rows, out[1])  # 0 outside the draft head's rows
 
-    def draft_and_verify(self, pending: int, k: int) -> tuple[list[int], list[int], dict, float]:
-        """A greedy speculative step with one host sync (chain_ok(k) must hold): the draft chain, then the
-        verify reading the drafts on the device, queued right behind it. Returns (the k drafts, the
-        target's k+1 greedy picks, the verify's kept KDA steps, the chain's share of the time in s)."""
+    def _queued_chain(self, pending: int, k: int, params: SamplingParams | None,
+                      gen: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor | None, float]:
+        """The draft chain with the verify to be queued behind it, no host sync: (the drafts in this
+        decoder's own buffer, their distributions copied out when sampled, the host time)."""
         if self._marks is None:
             self._marks = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if self.device.type == "cuda" else []
             self._drafts = torch.empty(self.GRAPH_MAX_TOKENS, dtype=torch.long, device=self.device)
         t0 = time.perf_counter()
         for mark in self._marks[:1]:
             mark.record()
-        # copied out of the chain's output first: a graph captured after the verify's may hold that
-        # output where the verify keeps its scratch (the pool is shared)
-        drafts = self._drafts[:k].copy_(self.draft_on_device(pending, k))
+        chain = self.draft_on_device(pending, k, params, gen)
+        # copied out of the chain's outputs first: a graph captured after the verify's may hold them
+        # where the verify keeps its scratch (the pool is shared)
+        drafts = self._drafts[:k].copy_(chain[0])
+        q = chain[1] if len(chain) > 1 else None
         for mark in self._marks[1:]:
             mark.record()
-        drafting = time.perf_counter() - t0  # off a GPU the chain has run by now
+        return drafts, q, time.perf_counter() - t0  # off a GPU the chain has run by now
+
+    def chain_time(self, host: float) -> float:
+        """The chain's GPU time, queueing included (no sync between draft and verify), after a sync."""
+        return self._marks[0].elapsed_time(self._marks[1]) / 1000 if self._marks else host
+
+    def draft_and_verify(self, pending: int, k: int) -> tuple[list[int], list[int], dict, float]:
+        """A greedy speculative step with one host sync (chain_ok(k) must hold): the draft chain, then the
+        verify reading the drafts on the device, queued right behind it. Returns (the k drafts, the
+        target's k+1 greedy picks, the verify's kept KDA steps, the chain's share of the time in s)."""
+        drafts, _, host = self._queued_chain(pending, k, None, None)
         _, logits, kept = self.forward([pending], keep_steps=True, tail=drafts)
         both = torch.cat([drafts, logits.argmax(-1)]).tolist()
-        if self._marks:  # the chain's GPU time, queueing included: no sync between draft and verify
-            drafting = self._marks[0].elapsed_time(self._marks[1]) / 1000
-        return both[:k], both[k:], kept, drafting
+        return both[:k], both[k:], kept, self.chain_time(host)
+
+    def sample_and_verify(self, pending: int, k: int, params: SamplingParams, gen: torch.Generator | None
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict, float]:
+        """draft_and_verify for sampling (temperature > 0, chain_ok(k)): the drafts drawn in the chain
+        graph, the verify queued behind it, nothing waited for. Returns (the k drafts on the device,
+        their draft distributions [k, V], the verify's logits [k+1, V], its kept KDA steps, the host
+        time chain_time() turns into the chain's share once the caller has synced)."""
+        drafts, q, host = self._queued_chain(pending, k, params, gen)
+        _, logits, kept = self.forward([pending], keep_steps=True, tail=drafts)
+        return drafts, q, logits, kept, host
 
     def draft(self, pending: int, k: int, params: SamplingParams,
               gen: torch.Generator | None) -> tuple[list[int], torch.Tensor | None]:
@@ -161,8 +191,9 @@ class Decoder:
         0 for every other token. The acceptance rule stays exact for any draft distribution: a token
         the draft cannot propose is simply never accepted as a draft, and the residual (p − q)+ a
         rejection resamples from keeps the target's whole mass on it."""
-        if params.temperature <= 0 and self.chain_ok(k):
-            return self.draft_on_device(pending, k).tolist(), None  # one host sync for all k tokens
+        if self.chain_ok(k):  # one replay and one host sync for all k tokens
+            chain = self.draft_on_device(pending, k, params, gen)
+            return chain[0].tolist(), (chain[1] if len(chain) > 1 else None)
         m, logits = self.mtp_catch_up(pending)
         rows = self.model.lm_head.draft_ids  # None: the draft's logits cover the whole vocabulary
         tokens: list[int] = []
@@ -238,8 +269,9 @@ def generate_tokens(model: LingModel, state: ConversationState, new_ids: list[in
             st.accept_rate_per_position = [a / spec.steps for a in spec.per_position]
         return StepOutput(out, finish, st)
 
-    # greedy drafts from one graph with the verify queued behind them (Decoder.draft_and_verify): one
-    # host wait a cycle, not two (H200: 1.4% shorter cycles, docs/benchmarks.md session 14)
+    # drafts from one graph with the verify queued behind them (Decoder.draft_and_verify, greedy, and
+    # sample_and_verify): one host wait a cycle, not two (H200, greedy: 1.4% shorter cycles,
+    # docs/benchmarks.md session 14)
     queued_verify = os.environ.get("SPARKCHAT_QUEUED_VERIFY", "1") != "0"
     first = emit([pending])
     yield first
@@ -263,21 +295,30 @@ def generate_tokens(model: LingModel, state: ConversationState, new_ids: list[in
             out = emit([pending])
         else:
             t_d = time.perf_counter()
-            greedy_chain = params.temperature <= 0 and queued_verify and dec.chain_ok(k)
+            queued = queued_verify and dec.chain_ok(k)
+            greedy_chain = queued and params.temperature <= 0
             if greedy_chain:
                 drafts, target, kept, drafting = dec.draft_and_verify(pending, k)
                 st.draft_s += drafting
                 t_v = t_d + drafting  # verify_s (below) takes the rest of the cycle
+            elif queued:
+                on_device, q, logits, kept, host = dec.sample_and_verify(pending, k, params, gen)
+                p = probabilities(logits, params)
+                accepted, nxt = speculative_accept(p, q, on_device, gen)  # waits for the cycle
+                drafts = on_device.tolist()
+                drafting = dec.chain_time(host)
+                st.draft_s += drafting
+                t_v = t_d + drafting
             else:
                 drafts, q = dec.draft(pending, k, params, gen)
                 _sync(device)
                 t_v = time.perf_counter()
                 st.draft_s += t_v - t_d
                 hidden, logits, kept = dec.forward([pending] + drafts, keep_steps=True)
-            if params.temperature > 0:
+            if params.temperature > 0 and not queued:
                 p = probabilities(logits, params)
                 accepted, nxt = speculative_accept(p, q, torch.tensor(drafts, device=device), gen)
-            else:
+            elif params.temperature <= 0:
                 if not greedy_chain:
                     target = logits.argmax(-1).tolist()
                 accepted = 0

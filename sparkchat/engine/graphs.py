@@ -1,6 +1,7 @@
 """CUDA graphs for the fixed-shape steps: decode (1 token), verify (k+1 tokens), the MTP draft step,
-and a greedy draft's whole chain (its catch-up and k-1 more steps, each fed the previous one's argmax on
-the device: one replay and one host sync for k drafts, where step by step took k of each).
+and a draft's whole chain (its catch-up and k-1 more steps, each fed the token the previous one chose
+on the device — its argmax, or a draw from its distribution: one replay and one host sync for k drafts,
+where step by step took k of each).
 
 Each graph is captured once per (step kind, token count, context bucket) against the conversation
 state's own tensors, so replaying it updates that state in place. Positions live in a device buffer
@@ -17,8 +18,10 @@ from typing import Any
 
 import torch
 
+from sparkchat.engine.events import SamplingParams
 from sparkchat.engine.model import LingModel
 from sparkchat.engine.nn.mla import Span
+from sparkchat.engine.sampling import probabilities, race_draw
 from sparkchat.engine.state import ConversationState
 
 BUCKET_MIN = 1024
@@ -39,6 +42,7 @@ class _Captured:
     pos: torch.Tensor
     hidden_in: torch.Tensor | None
     out: tuple[Any, ...]
+    noise: torch.Tensor | None = None  # a sampled chain's uniform draws [k, draft rows], refilled per replay
 
 
 class StepGraphs:
@@ -55,9 +59,10 @@ class StepGraphs:
         self.graphs.clear()
 
     def _run(self, kind: str, c: _Captured, bucket: int | tuple[int, ...], keep_steps: bool,
-             chain: int = 0) -> tuple[Any, ...]:
+             chain: int = 0, sampling: SamplingParams | None = None) -> tuple[Any, ...]:
         """One step; a draft chain takes a bucket per draft (its catch-up's first), as replays step by
-        step would: attention's splits follow the bucket, so the sums' order does too."""
+        step would: attention's splits follow the bucket, so the sums' order does too. A sampled chain
+        (`sampling`) draws each draft from its distribution and returns those too."""
         m = self.model
         if kind == "target":
             hidden, kept = m(c.ids, 0, self.state, keep_steps=keep_steps, span=Span(c.pos, bucket))
@@ -70,35 +75,50 @@ class StepGraphs:
                 return h, m.draft_logits(h[-1:])  # a catch-up over several slots drafts from its last only
             h = h[-1:]
             rows = m.lm_head.draft_ids  # the truncated draft head's vocabulary ids, or None
-            tokens = []
+            tokens, qs = [], []
             for j in range(chain):
                 if j:
                     h = m.mtp(m.embed_tokens(tokens[-1]), h, Span(c.pos[T + j - 1:T + j], buckets[j]),
                               self.state.mtp, m.rotary)
-                best = m.draft_logits(h)[0].argmax().view(1)  # as Decoder.draft picks a greedy token
+                logits = m.draft_logits(h)[0]
+                if sampling is None:
+                    best = logits.argmax().view(1)  # as Decoder.draft picks a greedy token
+                else:
+                    qs.append(probabilities(logits, sampling))
+                    best = race_draw(qs[-1], c.noise[j]).view(1)
                 # a gather, not rows[best]: indexing by a 0-d tensor reads it on the host (no capture)
                 tokens.append(best if rows is None else rows.index_select(0, best))
-            return (torch.cat(tokens),)
+            return (torch.cat(tokens),) if sampling is None else (torch.cat(tokens), torch.stack(qs))
 
-    def _capture(self, kind: str, T: int, bucket: int | tuple[int, ...], keep_steps: bool, start: int,
-                 chain: int = 0) -> _Captured:
+    def _inputs(self, kind: str, T: int, start: int, chain: int = 0, sampling: SamplingParams | None = None,
+                graph: Any = None) -> _Captured:
+        """A step's input buffers (ids, positions, hidden in, a sampled chain's noise), outputs to come."""
         H = self.model.cfg.hidden_size
         # Capture runs at the step's own positions: the cache rows it writes there are rewritten by the
         # real step right after (at position 0 it would clobber the conversation's first row).
         slots = T + max(chain - 1, 0)  # a chain's later steps sit one position after another
-        c = _Captured(torch.cuda.CUDAGraph(), torch.zeros(T, dtype=torch.long, device=self.device),
+        c = _Captured(graph, torch.zeros(T, dtype=torch.long, device=self.device),
                       torch.arange(start, start + slots, dtype=torch.long, device=self.device),
                       torch.zeros(T, H, dtype=self.model.embed.dtype, device=self.device) if kind != "target" else None,
                       ())
+        if sampling is not None:
+            rows = self.model.lm_head.draft_ids
+            n = self.model.cfg.vocab_size if rows is None else rows.numel()
+            c.noise = torch.full((chain, n), 0.5, device=self.device)
+        return c
+
+    def _capture(self, kind: str, T: int, bucket: int | tuple[int, ...], keep_steps: bool, start: int,
+                 chain: int = 0, sampling: SamplingParams | None = None) -> _Captured:
+        c = self._inputs(kind, T, start, chain, sampling, torch.cuda.CUDAGraph())
         saved = [(s.conv.clone(), s.recurrent.clone()) for s in self.state.kda.values()]
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(2):  # warm-up: lazy initialisation and kernel compilation happen outside capture
-                self._run(kind, c, bucket, keep_steps, chain)
+                self._run(kind, c, bucket, keep_steps, chain, sampling)
         torch.cuda.current_stream().wait_stream(side)
         with torch.cuda.graph(c.graph, pool=self.pool):
-            c.out = self._run(kind, c, bucket, keep_steps, chain)
+            c.out = self._run(kind, c, bucket, keep_steps, chain, sampling)
         for s, (conv, rec) in zip(self.state.kda.values(), saved):
             s.conv.copy_(conv)
             s.recurrent.copy_(rec)
@@ -125,20 +145,27 @@ class StepGraphs:
         c.graph.replay()
         return c.out
 
-    def replay_draft_chain(self, ids: list[int], start: int, hidden_in: torch.Tensor, k: int) -> torch.Tensor:
-        """A greedy draft in one replay: the catch-up over `ids` (positions start..) from the target's
-        hidden states `hidden_in`, then k-1 single-token draft steps at the positions after, each
-        embedding the previous step's argmax. Returns the k drafted vocabulary ids (the graph's own
-        int64 [k] buffer). Same kernels, same order, so the same tokens as k draft replays."""
+    def replay_draft_chain(self, ids: list[int], start: int, hidden_in: torch.Tensor, k: int,
+                           sampling: SamplingParams | None = None,
+                           generator: torch.Generator | None = None) -> tuple[torch.Tensor, ...]:
+        """A draft in one replay: the catch-up over `ids` (positions start..) from the target's hidden
+        states `hidden_in`, then k-1 single-token draft steps at the positions after, each embedding
+        the token the step before chose: its argmax, or with `sampling` a draw from its distribution
+        (uniforms from `generator`). Returns (the k drafted vocabulary ids int64 [k],) and, sampled,
+        their distributions [k, draft rows] — the graph's own buffers. Greedy: same kernels, same
+        order, so the same tokens as k draft replays."""
         T = len(ids)
         # draft j attends up to position start + T + j - 1, as its own replay would (catch-up: j = 0)
         buckets = tuple(bucket_for(start + T + j, self.state.max_context) for j in range(k))
-        key = ("draft_chain", T, buckets, k)
+        how = None if sampling is None else (sampling.temperature, sampling.top_k, sampling.top_p)
+        key = ("draft_chain", T, buckets, k, how)
         c = self.graphs.get(key)
         if c is None:
-            c = self.graphs[key] = self._capture("draft_chain", T, buckets, False, start, chain=k)
+            c = self.graphs[key] = self._capture("draft_chain", T, buckets, False, start, chain=k, sampling=sampling)
         c.ids.copy_(torch.tensor(ids), non_blocking=True)
         c.pos.copy_(torch.arange(start, start + T + k - 1), non_blocking=True)
         c.hidden_in.copy_(hidden_in)
+        if c.noise is not None:
+            c.noise.uniform_(generator=generator)
         c.graph.replay()
-        return c.out[0]
+        return c.out

@@ -43,6 +43,13 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     return torch.multinomial(probabilities(logits, params), 1, generator=generator).squeeze(-1)
 
 
+def race_draw(q: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """A draw from q [V] given uniforms u [V] in [0, 1), with no host sync (a CUDA graph can hold it):
+    the exponential race, argmax q_i / E_i over E_i = -log u_i ~ Exp(1), picks i with probability q_i.
+    u_i = 0 gives E_i = inf, never a zero division or a NaN; a zero q_i is never picked."""
+    return (q / -torch.log(u)).argmax()
+
+
 def speculative_accept(target_probs: torch.Tensor, draft_probs: torch.Tensor, draft_tokens: torch.Tensor,
                        generator: torch.Generator | None) -> tuple[int, int]:
     """The standard speculative-sampling rule, which keeps the target distribution exactly.
