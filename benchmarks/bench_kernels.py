@@ -494,13 +494,27 @@ def bench_kda(rec: Recorder, sweep: bool) -> None:
         for nb, nw in launches:
             label = "default" if nb is None else f"dv_blocks={nb} warps={nw}"
             fns[f"kernel {label}"] = lambda nb=nb, nw=nw: kda_decode(*args, dv_blocks=nb, num_warps=nw)
-        state_bytes = heads * dh * dh * 4 * (2 + (T - 1 if keep else 0))  # the last state is the layer's own
+        # the state read and written; a verify (keep) reads it and writes its inputs instead
+        state_bytes = heads * dh * dh * 4 * (1 if keep else 2) + (T * heads * 4 * dh * 4 if keep else 0)
         for name, fn in fns.items():
             fn()
             torch.cuda.synchronize()
             us = triton.testing.do_bench_cudagraph(fn) * 1e3
             rec.add(f"kda core T={T} keep_steps={keep}: {name}", us, state_bytes)
     opsmod.disable_compile()
+    # the commit after a 4-token verify: Ling-3.0-flash's 35 KDA layers in one launch, each reading and
+    # writing its state (and reading the kept inputs of the positions it applies)
+    from sparkchat.engine.kernels.kda_commit import kda_commit
+
+    x, (conv, recur), w = make_inputs(4, heads, dh, 4, torch.bfloat16, "cuda")
+    _, window, inputs = kda_decode(*x, conv, recur, *w, heads, dh, True, -5.0, 1e-6, True, False)
+    layers = [(recur.clone(), inputs.clone(), conv.clone(), window.clone()) for _ in range(35)]
+    for last in (0, 3):
+        kda_commit(layers, last)
+        torch.cuda.synchronize()
+        us = triton.testing.do_bench_cudagraph(lambda: kda_commit(layers, last)) * 1e3
+        moved = 35 * (2 * recur.numel() * 4 + (last + 1) * heads * 4 * dh * 4 + 2 * conv.numel() * conv.element_size())
+        rec.add(f"kda commit of 35 layers after a 4-token verify, last={last}", us, moved)
 
 
 def main() -> None:

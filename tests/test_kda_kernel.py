@@ -60,7 +60,7 @@ def compare(case, device, *, seed=0, perturb=None, fold=False) -> list[str]:
     the kernel alone gets nudged: 'gate' (one f element), 'beta' (one logit), 'norm' (one norm weight)."""
     from sparkchat.engine.kernels.counters import arrival_counters
     from sparkchat.engine.kernels.kda_decode import kda_decode
-    from sparkchat.engine.nn.kda import kda_core
+    from sparkchat.engine.nn.kda import commit_steps, kda_core
 
     T, H, DH, safe, keep, nb, K, dtype = case
     x, (conv, rec), (cw, alog, dtb, onw) = make_inputs(T, H, DH, K, dtype, device, seed)
@@ -119,15 +119,19 @@ def compare(case, device, *, seed=0, perturb=None, fold=False) -> list[str]:
         bad.append("window differs")
     if not torch.equal(c2, c1):
         bad.append("conv state differs")
-    states = [("recurrent", r2, r1)] + ([("steps", s2, s1)] if keep else [])
     if not keep and s2 is not None:
         bad.append("steps returned without keep_steps")
+    if keep:
+        # a step that keeps its inputs leaves the state alone; committing every position from the kept
+        # inputs (each side its own) must give the state the step would have left
+        if not (torch.equal(r1, rec) and torch.equal(r2, rec)):
+            bad.append("a step with keep_steps changed the recurrent state")
+        if s2.shape != s1.shape:
+            return bad + [f"inputs: shape {tuple(s2.shape)}, the twin's {tuple(s1.shape)}"]
+        commit_steps(r1, s1, T - 1)
+        commit_steps(r2, s2, T - 1)
+    states = [("recurrent", r2, r1)] + ([("inputs", s2, s1)] if keep else [])
     for name, got, want in states:
-        if got.shape != want.shape:
-            bad.append(f"{name}: shape {tuple(got.shape)}, the twin's {tuple(want.shape)}")
-            continue
-        if got.numel() == 0:  # one position: nothing kept (its state is the layer's own)
-            continue
         rel = (got - want).abs() / want.abs().max()
         if strict and rel.max().item() > 1e-4:
             bad.append(f"{name} off by {rel.max().item():.3g} of its max")
@@ -166,7 +170,7 @@ def run_all(device: str, real: bool = True) -> None:
 
 def run_model(path: str) -> None:
     """The hook in KimiDeltaAttention.forward: a tiny model's decode and verify steps through fast_core
-    match the twin's, and so do the states after rolling the verify back; prefill does not use it."""
+    match the twin's, and so do the states after committing part of the verify; prefill does not use it."""
     from sparkchat.engine.config import ModelConfig
     from sparkchat.engine.generate import Decoder
     from sparkchat.engine.kernels.kda_decode import kda_decode
@@ -195,7 +199,7 @@ def run_model(path: str) -> None:
         _, l1, _ = dec.forward([7])
         dec.commit([7])
         _, l2, kept = dec.forward([8, 9, 10], keep_steps=True)
-        state.rollback_kda(kept, 1)  # keep 8, 9
+        state.commit_kda(kept, 1)  # keep 8, 9
         return torch.cat([l1, l2]), state.snapshot()
 
     want, want_state = run(False)
@@ -222,7 +226,7 @@ def test_kda_kernel_under_triton_interpreter(tmp_path):
 @pytest.mark.skipif(not GPU, reason="needs a CUDA device and triton")
 def test_kda_kernel_on_cuda():
     run_all("cuda")
-    # the real shapes (32 heads of 128): decode, and a verify window with its steps, both grid layouts
+    # the real shapes (32 heads of 128): decode, and a verify window with its kept inputs, both grid layouts
     for case in [(1, 32, 128, True, False, 1, 4, torch.bfloat16), (5, 32, 128, True, True, 1, 4, torch.bfloat16),
                  (1, 32, 128, True, False, 4, 4, torch.bfloat16), (5, 32, 128, False, True, 4, 4, torch.bfloat16)]:
         bad = compare(case, "cuda", seed=1)

@@ -5,6 +5,7 @@ bf16x2 MoE products' saving. No GPU needed; skipped where Triton's bundled tools
 from __future__ import annotations
 
 import importlib.util
+import re
 import sys
 from pathlib import Path
 
@@ -104,15 +105,39 @@ def test_tensor_core_gemvs_fit_the_sparks_shared_memory():
         assert kernel.metadata.shared <= 101376, (kind, kernel.metadata.shared)
 
 
-@pytest.mark.parametrize("arch", [90, 121])
-def test_rollback_kernel_compiles_for_both_targets(arch):
-    """The one-launch KDA rollback at the Ling shapes (35 layers of 32 x 128 x 128 fp32 states, bf16 conv
-    rows of 3 x 4096 channels) compiles for the H200 and the Spark's sm_121a: plain loads and stores."""
-    sass_stats = _tools()
-    from sparkchat.engine.kernels import kda_rollback as r
+def _state_tile_layout(kernel) -> str:
+    """The layout of the [128, 32] fp32 state block a KDA kernel loads (its TTGIR)."""
+    g = kernel.asm["ttgir"]
+    layouts = dict(re.findall(r"(#\w+) = (#ttg\.blocked<[^>]*>)", g))
+    loads = set(re.findall(r"tt\.load [^\n]*tensor<128x32x!tt\.ptr<f32>, (#\w+)>", g))
+    assert len(loads) == 1, loads
+    return layouts[loads.pop()]
 
-    state, row = 32 * 128 * 128, 3 * 4096 * 2 // 4
-    cx = dict(STATE=state, CONV=3 * row, ROW=row, NS=state // r.BLOCK, BLOCK=r.BLOCK)
-    kernel = sass_stats.compile_kernel(r.kda_rollback_kernel, {"table_ptr": "*i64", "last": "i32"}, cx, r.WARPS, arch)
-    ptx = kernel.asm["ptx"]
+
+@pytest.mark.parametrize("arch", [90, 121])
+def test_commit_kernel_holds_the_state_as_the_verify_does(arch):
+    """The one-launch KDA commit at the Ling shapes (32 x 128 x 128 fp32 states, bf16 conv rows of 3 x 4096
+    channels) compiles for the H200 and the Spark's sm_121a with plain loads and stores, and holds each
+    state block in the verify kernel's layout — the sums over a block then run in the same order, which
+    is what makes a committed state bit for bit a shorter step's (without the alignment hint on the
+    table's addresses it was a [1, 1]-per-thread layout)."""
+    sass_stats = _tools()
+    from sparkchat.engine.kernels import kda_commit as c
+    from sparkchat.engine.kernels import kda_decode as d
+
+    nb, warps = d.LAUNCH
+    row = 3 * 4096 * 2 // 4
+    commit = sass_stats.compile_kernel(c.kda_commit_kernel, {"table_ptr": "*i64", "last": "i32"},
+                                       dict(T=4, H=32, DH=128, NB=nb, CONV=3 * row, ROW=row, BLOCK=c.BLOCK), warps, arch)
+    ptx = commit.asm["ptx"]
     assert "ld.global" in ptx and "st.global" in ptx and "wgmma" not in ptx and "cp.async.bulk" not in ptx
+    sig = {n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "f_ptr", "b_ptr", "og_ptr", "conv_ptr")}
+    sig.update({n: "*fp32" for n in ("rec_ptr", "cw_ptr", "alog_ptr", "dtb_ptr")})
+    sig.update({"onw_ptr": "*bf16", "o_ptr": "*bf16", "win_ptr": "*bf16", "steps_ptr": "*fp32", "cnt_ptr": "*i32"})
+    sig.update({f"s_{n}": "i32" for n in ("q", "qc", "k", "kc", "v", "vc", "f", "fc", "b", "bc", "og", "ogc", "cv",
+                                         "cvc", "w", "wc")})
+    sig.update({"q_scale": "fp32", "lower_bound": "fp32", "eps": "fp32"})
+    cx = dict(T=4, H=32, DH=128, KC=4, NB=nb, SAFE_GATE=True, KEEP=True, bx_ptr=None, bw_ptr=None, FOLD_B=False,
+              HID=1, BKH=1, PDL=True)
+    verify = sass_stats.compile_kernel(d.kda_decode_kernel, sig, cx, warps, arch)
+    assert _state_tile_layout(commit) == _state_tile_layout(verify)

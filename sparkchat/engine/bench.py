@@ -61,7 +61,7 @@ class BenchResult:
     verify_correlated_decode_ratio: float | None = None
     verify_correlated_pct_read_bw: float | None = None
     verify_routing_wrapper_ms: float | None = None  # the correlated-routing wrapper's own cost, left out above
-    # the speculative loop as a user runs it (generate_tokens: draft, verify, accept, rollback, stream),
+    # the speculative loop as a user runs it (generate_tokens: draft, verify, accept, commit, stream),
     # timed per cycle; synthetic weights accept no draft, so every cycle rolls back (the worst case)
     loop_cycle_ms: float | None = None
     loop_tokens_per_cycle: float | None = None
@@ -109,14 +109,15 @@ def decode_bytes(model: LingModel, context: int, fp8_head: bool) -> int:
 
 def verify_bytes(model: LingModel, context: int, tokens: int, distinct_experts: float) -> int:
     """Bytes a verify of `tokens` reads and writes: a decode step's, plus the experts beyond one
-    token's 8 per MoE layer, plus each KDA layer's per-position states kept for rollback."""
+    token's 8 per MoE layer, plus for each KDA layer its kept inputs and the state read a second time
+    (the verify reads it and leaves it; the commit after it reads and writes it: kda_commit)."""
     cfg = model.cfg
     moe = [m for m in model.modules() if isinstance(m, MoE) and m is not getattr(model.mtp, "mlp", None)]
     ex = moe[0].experts if moe else None
     per_expert = 0 if ex is None else _tensor_bytes(ex.w13[0], ex.w2[0], ex.w13_scale[0] if ex.is_mxfp4 else None,
                                                     ex.w2_scale[0] if ex.is_mxfp4 else None)
     kda_layers = sum(isinstance(m, KimiDeltaAttention) for m in model.modules())
-    kept = kda_layers * (tokens - 1) * cfg.num_attention_heads * cfg.head_dim ** 2 * 4
+    kept = kda_layers * cfg.num_attention_heads * (cfg.head_dim ** 2 + tokens * 4 * cfg.head_dim) * 4
     extra = max(0.0, distinct_experts - cfg.num_experts_per_tok) * per_expert * len(moe)
     return int(decode_bytes(model, context, model.lm_head.use_fp8) + extra + kept)
 

@@ -1,8 +1,8 @@
 """Token generation over one conversation state: prefill, then plain or speculative (MTP) steps.
 
 Speculative decoding follows NVIDIA's recipe: the model's own NextN layer drafts k tokens, one target
-pass verifies k+1 positions, then accept and roll back. Explicit steps: draft → verify → accept →
-rollback, with an acceptance histogram in the stats.
+pass verifies k+1 positions, then accept and commit the accepted positions' KDA states. Explicit steps:
+draft → verify → accept → commit, with an acceptance histogram in the stats.
 
 Which hidden state feeds the MTP layer, and how drafts chain (sources: SGLang
 `models/bailing_moe_nextn.py` and its EAGLE worker; vLLM `bailing_moe_v3_mtp.py`): the main model's
@@ -325,9 +325,9 @@ def generate_tokens(model: LingModel, state: ConversationState, new_ids: list[in
                 while accepted < k and drafts[accepted] == target[accepted]:
                     accepted += 1
                 nxt = target[accepted]
-            # rollback: keep positions pending, d_1..d_accepted; drop the rest. No sync after it: the
-            # GPU copies while the host gets the next draft ready (stream order keeps them in turn)
-            state.rollback_kda(kept, accepted)
+            # commit positions pending, d_1..d_accepted; drop the rest. No sync after it: the GPU
+            # advances the KDA states while the host gets the next draft ready (stream order keeps them in turn)
+            state.commit_kda(kept, accepted)
             dec.commit([pending] + drafts[:accepted])
             st.verify_s += time.perf_counter() - t_v
             spec.steps += 1

@@ -246,7 +246,7 @@ class LingModel(nn.Module):
         """Run T new tokens at positions start.. through the layers, updating `state`.
 
         Returns the final hidden states after `model.norm` [T, H] (what the head and the MTP layer read)
-        and, with keep_steps, each KDA layer's per-position states for rollback.
+        and, with keep_steps, each KDA layer's kept inputs (its recurrent state left for commit_kda).
         """
         span = span or Span.contiguous(start, ids.shape[0], ids.device)
         x = self.embed_tokens(ids)

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from sparkchat.engine.config import ModelConfig
-from sparkchat.engine.nn.kda import KDAState, KDASteps
+from sparkchat.engine.nn.kda import KDAState, KDASteps, commit_steps
 from sparkchat.engine.nn.mla import MLACache
 
 
@@ -64,24 +64,23 @@ class ConversationState:
         self.token_ids = []
         self.mtp_length = 0
 
-    def rollback_kda(self, kept: dict[int, KDASteps], last: int) -> None:
-        """Right after a multi-token step, set every KDA layer to its state right after new position
-        `last` (0-based within the step): the recurrent state kept for that position, and the conv state
-        made of the K-1 inputs that end there. At the step's last position that is the state the step
-        left, so nothing moves. On CUDA one kernel copies every layer (kernels/kda_rollback.py; the loop
-        below is its twin; SPARKCHAT_ROLLBACK_KERNEL=0 keeps the loop)."""
-        if not kept or last == next(iter(kept.values())).recurrent.shape[0]:  # the step's last position
+    def commit_kda(self, kept: dict[int, KDASteps], last: int) -> None:
+        """Right after a multi-token step with kept steps (which left every recurrent state as it found
+        it), set every KDA layer to its state right after new position `last` (0-based within the step):
+        the delta rule run from the untouched state over the kept inputs of positions 0 … last, and the
+        conv state made of the K-1 inputs that end there. On CUDA one kernel commits every layer
+        (kernels/kda_commit.py; the loop below is its twin; SPARKCHAT_COMMIT_KERNEL=0 keeps the loop)."""
+        if not kept:
             return
-        if next(iter(self.kda.values())).recurrent.is_cuda and os.environ.get("SPARKCHAT_ROLLBACK_KERNEL", "1") != "0":
-            from sparkchat.engine.kernels.kda_rollback import kda_rollback
+        if next(iter(self.kda.values())).recurrent.is_cuda and os.environ.get("SPARKCHAT_COMMIT_KERNEL", "1") != "0":
+            from sparkchat.engine.kernels.kda_commit import kda_commit
 
-            kda_rollback([(self.kda[i].recurrent, s.recurrent, self.kda[i].conv, s.window) for i, s in kept.items()],
-                         last)
+            kda_commit([(self.kda[i].recurrent, s.inputs, self.kda[i].conv, s.window) for i, s in kept.items()], last)
             return
         for i, steps in kept.items():
             s = self.kda[i]
             k_1 = s.conv.shape[0]
-            s.recurrent.copy_(steps.recurrent[last])
+            commit_steps(s.recurrent, steps.inputs, last)
             s.conv.copy_(steps.window[last + 1: last + 1 + k_1])
 
     def checkpoint(self) -> "StateCheckpoint":

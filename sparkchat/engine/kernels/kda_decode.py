@@ -2,8 +2,8 @@
 
 Each program holds a block of one head's dk×dv fp32 state in registers for all T positions: causal
 conv update of the head's q|k|v channels, silu, L2 norms, gate, beta, delta-rule recurrence, gated output
-RMSNorm, and the in-place conv/recurrent state updates, plus the conv window and (keep_steps) the
-per-position states a verify rolls back to. It rounds exactly where kda_core rounds: the conv output, the
+RMSNorm, and the in-place conv/recurrent state updates, plus the conv window and (keep_steps) each
+position's delta-rule inputs, from which kda_commit advances the state the verify left untouched. It rounds exactly where kda_core rounds: the conv output, the
 gate and beta to the model dtype, o to the model dtype before the norm.
 
 dv_blocks (LAUNCH: 4) spreads each head's value columns over that many programs (more SMs for the
@@ -97,11 +97,21 @@ def _store_conv_state(conv_ptr, s_cv, cols, old, new, T: tl.constexpr, KC: tl.co
 
 
 @triton.jit
+def delta_rule_step(S, k, v, g, beta):
+    """One position of the recurrence on a [DH, BV] state block (nn.kda.delta_rule_step): decay by e^g
+    per key row, then the delta-rule correction toward v along k. The verify and kda_commit both call
+    it on blocks of the same layout, so a committed state is bit for bit the one a shorter step leaves."""
+    S = S * tl.exp(g)[:, None]
+    delta = (v - tl.sum(S * k[:, None], axis=0)) * beta
+    return S + k[:, None] * delta[None, :]
+
+
+@triton.jit
 def kda_decode_kernel(
     q_ptr, k_ptr, v_ptr, f_ptr, b_ptr, og_ptr,  # projections [T, D] ([T, H] for b), any strides
     conv_ptr, rec_ptr,  # states, updated in place: conv [K-1, 3D], recurrent [H, DH, DH] fp32 contiguous
     cw_ptr, alog_ptr, dtb_ptr, onw_ptr,  # conv weight [3D, K], A_log [H], dt_bias [D], o_norm weight [DH]
-    o_ptr, win_ptr, steps_ptr,  # outputs: o [T, D], window [K-1+T, 3D], steps [T-1, H, DH, DH] (KEEP only)
+    o_ptr, win_ptr, steps_ptr,  # outputs: o [T, D], window [K-1+T, 3D], inputs [T, H, 4, DH] fp32 (KEEP only)
     cnt_ptr,  # [H] int32 arrival counters, zero between launches (NB > 1 only)
     s_q, s_qc, s_k, s_kc, s_v, s_vc, s_f, s_fc, s_b, s_bc, s_og, s_ogc, s_cv, s_cvc, s_w, s_wc,
     q_scale, lower_bound, eps,
@@ -201,19 +211,22 @@ def kda_decode_kernel(
             g = -rate * tl.where(f > 20.0, f, _log1p(tl.exp(tl.minimum(f, 20.0))))  # softplus, torch's threshold
         g = _round(g, dtype)  # the twin rounds the gate to the model dtype
 
-        S = S * tl.exp(g)[:, None]
-        delta = (vs[t] - tl.sum(S * k[:, None], axis=0)) * B[t]
-        S = S + k[:, None] * delta[None, :]
+        S = delta_rule_step(S, k, vs[t], g, B[t])
         o = _round(tl.sum(S * q[:, None], axis=0), dtype)  # the twin rounds o before the norm
-        if KEEP and t < T - 1:  # the last position's state is the layer's own (stored below)
-            tl.store(steps_ptr + t * H * DH * DH + h * DH * DH + i[:, None] * DH + j[None, :], S)
+        if KEEP:  # the inputs kda_commit replays: k, v, g, beta (its v columns from every program)
+            row = steps_ptr + (t * H + h) * 4 * DH
+            tl.store(row + i, k, mask=first)
+            tl.store(row + DH + j, vs[t])
+            tl.store(row + 2 * DH + i, g, mask=first)
+            tl.store(row + 3 * DH + i, tl.zeros_like(k) + B[t], mask=first)
         if NB == 1:  # gated RMSNorm over the whole head, in the twin's order; round first: the cast is exact
             o = o * (1.0 / tl.sqrt(tl.sum(o * o, axis=0) / DH + eps))
             tl.store(o_ptr + t * D + c + j, _round(onw * o * tl.sigmoid(ogs[t]), odt).to(odt))
         else:
             tl.store(o_ptr + t * D + c + j, o.to(odt))  # exact, normalized below
 
-    tl.store(sp, S)
+    if not KEEP:  # a verify leaves the state as it found it (kda_commit advances it)
+        tl.store(sp, S)
     if NB > 1:
         # the CUTLASS semaphore pattern: CTA barrier, one release atomic; the last arrival's acquire
         # makes every program's o columns visible, and all of them are past their old-state reads
@@ -263,7 +276,7 @@ def kda_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tenso
     assert dt_bias.is_contiguous() and o_norm_w.is_contiguous() and A_log.is_contiguous()
     o = torch.empty(T, D, dtype=q.dtype, device=q.device)
     window = torch.empty(K - 1 + T, 3 * D, dtype=q.dtype, device=q.device)
-    steps = (torch.empty(T - 1, heads, head_dim, head_dim, dtype=torch.float32, device=q.device) if keep_steps
+    steps = (torch.empty(T, heads, 4, head_dim, dtype=torch.float32, device=q.device) if keep_steps
              else None)
     cnt = arrival_counters("kda_decode", q.device, heads) if dv_blocks > 1 else o
     b = beta_logit if beta_logit is not None else o  # (unread when folded)

@@ -26,36 +26,58 @@ class KDAState:
 
 @dataclass
 class KDASteps:
-    """Per-position states of one multi-token step, kept so a verify can roll back exactly."""
+    """What a verify keeps so the recurrent state can be advanced to any of its positions afterwards.
+
+    A step with keep_steps leaves the layer's recurrent state as it found it; committing (ConversationState
+    .commit_kda) then runs the delta rule from it over the kept inputs of the positions accepted. Keeping
+    the inputs rather than a state per position spares a verify its largest writes (a 4-token verify wrote
+    three 2 MiB states a layer; the inputs are 8 KiB a position)."""
 
     window: torch.Tensor  # [K-1+T, 3D] conv inputs: the old conv state then the T new inputs
-    # [T-1, heads, dk, dv] state after each position but the last: after the last one it is the
-    # layer's own state, which the step leaves in place (rolling back to it moves nothing)
-    recurrent: torch.Tensor
+    # [T, heads, 4, d] fp32: each position's delta-rule inputs, k (L2-normed), v (after the conv), the
+    # gate g and beta (repeated along the last axis), exactly as the recurrence used them
+    inputs: torch.Tensor
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x / torch.sqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
+def delta_rule_step(S: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                    beta: torch.Tensor) -> torch.Tensor:
+    """One position of the recurrence: S [h, dk, dv] decayed by e^g per key channel, then corrected
+    toward v along k. k, g: [h, dk]; v: [h, dv]; beta: [h]. The verify and the commit both run this."""
+    S = S * g.exp().unsqueeze(-1)
+    kv_mem = torch.einsum("hkv,hk->hv", S, k)
+    delta = (v - kv_mem) * beta.unsqueeze(-1)
+    return S + k.unsqueeze(-1) * delta.unsqueeze(-2)
+
+
 def kda_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                   state: torch.Tensor, keep_steps: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The delta-rule recurrence, in fp32. q,k,g: [T, h, dk] (q,k already L2-normed, q scaled);
-    v: [T, h, dv]; beta: [T, h]; state: [h, dk, dv]. Returns (o [T, h, dv], final state, steps: the
-    states after positions 0 .. T-2, as KDASteps keeps them)."""
+    v: [T, h, dv]; beta: [T, h]; state: [h, dk, dv]. Returns (o [T, h, dv], final state, with keep_steps
+    the inputs [T, h, 4, d] as KDASteps keeps them; dk == dv then)."""
     T = q.shape[0]
     o = q.new_empty(T, q.shape[1], v.shape[-1])
-    steps = state.new_empty((T - 1,) + state.shape) if keep_steps else None
     S = state
     for t in range(T):
-        S = S * g[t].exp().unsqueeze(-1)
-        kv_mem = torch.einsum("hkv,hk->hv", S, k[t])
-        delta = (v[t] - kv_mem) * beta[t].unsqueeze(-1)
-        S = S + k[t].unsqueeze(-1) * delta.unsqueeze(-2)
+        S = delta_rule_step(S, k[t], v[t], g[t], beta[t])
         o[t] = torch.einsum("hkv,hk->hv", S, q[t])
-        if steps is not None and t < T - 1:
-            steps[t] = S
-    return o, S, steps
+    if not keep_steps:
+        return o, S, None
+    inputs = torch.stack([k, v, g, beta.unsqueeze(-1).expand_as(k)], dim=2).float().contiguous()
+    return o, S, inputs
+
+
+def commit_steps(recurrent: torch.Tensor, inputs: torch.Tensor, last: int) -> None:
+    """Advance `recurrent` [h, dk, dv] in place over kept positions 0 .. last (KDASteps.inputs): the state a
+    step of last + 1 tokens would have left. The twin of kernels/kda_commit.py."""
+    S = recurrent
+    for t in range(last + 1):
+        k, v, g, beta = inputs[t].unbind(1)
+        S = delta_rule_step(S, k, v, g, beta[:, 0])
+    recurrent.copy_(S)
 
 
 def kda_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -144,8 +166,9 @@ def kda_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor,
              lower_bound: float, eps: float, keep_steps: bool,
              chunked: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Everything of a KDA layer between its input projections and o_proj, updating the conv and
-    recurrent states in place. q, k, v, f, out_gate: [T, D] projections; beta_logit: [T, heads].
-    Returns (o [T, D] normed and gated, the conv window [K-1+T, 3D], per-position states or None)."""
+    recurrent states in place (with keep_steps the recurrent one is left as it was: KDASteps).
+    q, k, v, f, out_gate: [T, D] projections; beta_logit: [T, heads].
+    Returns (o [T, D] normed and gated, the conv window [K-1+T, 3D], the kept inputs or None)."""
     T, dtype = q.shape[0], q.dtype
     h, d = heads, head_dim
     window = torch.cat([conv_state.to(dtype), torch.cat([q, k, v], dim=-1)], dim=0)  # [K-1+T, 3D]
@@ -166,6 +189,7 @@ def kda_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor,
         steps = None
     else:
         o, S, steps = kda_recurrent(q, k, v, g, beta, recurrent, keep_steps)
-    recurrent.copy_(S)
+    if not keep_steps:  # a verify leaves the state for commit_steps to advance to the accepted position
+        recurrent.copy_(S)
     o = gated_rms_norm(o.to(dtype), out_gate.reshape(T, h, d), o_norm_w, eps).reshape(T, h * d)
     return o, window, steps
