@@ -23,7 +23,8 @@ import torch
 from sparkchat.engine.events import GenerationStats, SamplingParams
 from sparkchat.engine.model import LingModel
 from sparkchat.engine.nn.mla import Span
-from sparkchat.engine.sampling import make_generator, probabilities, sample, speculative_accept
+from sparkchat.engine.sampling import (make_generator, probabilities, sample, speculative_accept,
+                                       speculative_accept_on_device)
 from sparkchat.engine.state import ConversationState
 
 
@@ -304,8 +305,8 @@ def generate_tokens(model: LingModel, state: ConversationState, new_ids: list[in
             elif queued:
                 on_device, q, logits, kept, host = dec.sample_and_verify(pending, k, params, gen)
                 p = probabilities(logits, params)
-                accepted, nxt = speculative_accept(p, q, on_device, gen)  # waits for the cycle
-                drafts = on_device.tolist()
+                decided = speculative_accept_on_device(p, q, on_device, gen)
+                *drafts, accepted, nxt = torch.cat([on_device, decided]).tolist()  # the cycle's one wait
                 drafting = dec.chain_time(host)
                 st.draft_s += drafting
                 t_v = t_d + drafting

@@ -50,25 +50,34 @@ def race_draw(q: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return (q / -torch.log(u)).argmax()
 
 
-def speculative_accept(target_probs: torch.Tensor, draft_probs: torch.Tensor, draft_tokens: torch.Tensor,
-                       generator: torch.Generator | None) -> tuple[int, int]:
-    """The standard speculative-sampling rule, which keeps the target distribution exactly.
+def speculative_accept_on_device(target_probs: torch.Tensor, draft_probs: torch.Tensor, draft_tokens: torch.Tensor,
+                                 generator: torch.Generator | None) -> torch.Tensor:
+    """The standard speculative-sampling rule, which keeps the target distribution exactly, with no host
+    sync: returns [accepted count, next token] on the device, for the caller to read with everything
+    else it needs from the cycle in one wait.
 
     target_probs: [k+1, V] for the k drafted positions and the bonus one; draft_probs: [k, V];
-    draft_tokens: [k]. Accept draft i with prob min(1, p/q); at the first rejection resample from
-    (p − q)+; if all are accepted, sample the bonus token from p[k]. Returns (accepted count, next token).
-    """
+    draft_tokens: [k]. Accept draft i with prob min(1, p/q); at the first rejection draw from (p − q)+;
+    if all are accepted, draw the bonus token from p[k]. Every row's draw is made (an exponential race,
+    race_draw) and the one the acceptances reach is picked: a few more kernels instead of a host round
+    trip per decision."""
     k = draft_tokens.shape[0]
-    idx = torch.arange(k, device=draft_tokens.device)
+    device = draft_tokens.device
+    idx = torch.arange(k, device=device)
     p = target_probs[idx, draft_tokens]
     q = draft_probs[idx, draft_tokens]
-    u = torch.rand(k, generator=generator, device=draft_tokens.device)
-    ok = (u * q <= p).tolist()  # u < p/q without dividing by a zero q
-    for i in range(k):
-        if not ok[i]:
-            residual = (target_probs[i] - draft_probs[i]).clamp(min=0)
-            if residual.sum() <= 0:  # p == q: any draw from p is exact
-                residual = target_probs[i]
-            tok = torch.multinomial(residual / residual.sum(), 1, generator=generator)
-            return i, int(tok)
-    return k, int(torch.multinomial(target_probs[k], 1, generator=generator))
+    u = torch.rand(k, generator=generator, device=device)
+    accepted = (u * q <= p).long().cumprod(0).sum().view(1)  # the leading run; u < p/q without dividing by 0
+    residual = (target_probs[:k] - draft_probs).clamp(min=0)
+    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, target_probs[:k])  # p == q: draw from p
+    weights = torch.cat([residual, target_probs[k:k + 1]])  # row i: a rejection at i; row k: the bonus
+    e = -torch.log(torch.rand(weights.shape, generator=generator, device=device))
+    picks = (weights / e).argmax(-1)
+    return torch.cat([accepted, picks.gather(0, accepted)])
+
+
+def speculative_accept(target_probs: torch.Tensor, draft_probs: torch.Tensor, draft_tokens: torch.Tensor,
+                       generator: torch.Generator | None) -> tuple[int, int]:
+    """speculative_accept_on_device, read back: (accepted count, next token)."""
+    accepted, token = speculative_accept_on_device(target_probs, draft_probs, draft_tokens, generator).tolist()
+    return accepted, token
