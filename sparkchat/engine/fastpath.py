@@ -135,6 +135,18 @@ def _fp8_head() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Te
     return head
 
 
+def _fp8_head_argmax() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+    from sparkchat.engine.kernels.fp8_gemv import fp8_head_argmax, fp8_head_gemv, gemv_config
+
+    def head_argmax(h: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        cfg = gemv_config("head", h.shape[0], w.shape[0], w.shape[1])
+        if cfg.mma or cfg.split > 1:  # the logits kernel sums in another order there: pick from its logits
+            return fp8_head_gemv(h.contiguous(), w, scale, x_f16=getattr(h, "f16_acts", None)).argmax(-1)
+        return fp8_head_argmax(h.contiguous(), w, scale, config=cfg)  # the logits' very sums
+
+    return head_argmax
+
+
 def _mla_step() -> Callable[..., torch.Tensor]:
     from sparkchat.engine.kernels.mla_decode import mla_decode_step
 
@@ -195,3 +207,4 @@ def install(model, *, linears: bool, experts: bool, head: bool) -> None:
             if isinstance(layer.mlp, MoE) and layer.mlp.fast_experts is not None and out.fast_add_norm is not None:
                 out.fast_add_norm = functools.partial(add_norm, moe_x=True)
     model.lm_head.fast_fp8 = _fp8_head() if head else None
+    model.lm_head.fast_fp8_argmax = _fp8_head_argmax() if head else None

@@ -80,11 +80,10 @@ class StepGraphs:
                 if j:
                     h = m.mtp(m.embed_tokens(tokens[-1]), h, Span(c.pos[T + j - 1:T + j], buckets[j]),
                               self.state.mtp, m.rotary)
-                logits = m.draft_logits(h)[0]
                 if sampling is None:
-                    best = logits.argmax().view(1)  # as Decoder.draft picks a greedy token
+                    best = m.lm_head.argmax(h, draft=True)  # as Decoder.draft picks a greedy token
                 else:
-                    qs.append(probabilities(logits, sampling))
+                    qs.append(probabilities(m.draft_logits(h)[0], sampling))
                     best = race_draw(qs[-1], c.noise[j]).view(1)
                 # a gather, not rows[best]: indexing by a 0-d tensor reads it on the host (no capture)
                 tokens.append(best if rows is None else rows.index_select(0, best))

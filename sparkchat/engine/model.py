@@ -125,6 +125,7 @@ class LMHead(nn.Module):
         self.cache_dense = False  # CPU: keep the dequantized FP8 head instead of rebuilding it every step
         self._dense_fp8: torch.Tensor | None = None
         self.fast_fp8 = None  # set by the GPU path: callable(h, fp8_weight, fp8_scale) -> fp32 logits
+        self.fast_fp8_argmax = None  # set by the GPU path: callable(h, fp8_weight, fp8_scale) -> int64 rows
         # the truncated draft head: ids [N] (sorted, full-vocabulary ids) and the rows of the weight in use
         self.draft_ids: torch.Tensor | None = None
         self._draft: dict[str, torch.Tensor | None] = {}
@@ -196,6 +197,17 @@ class LMHead(nn.Module):
         if self.use_fp8:
             return self._fp8_logits(h, self.fp8_weight, self.fp8_scale, None)
         return (h @ self.weight.to(h.dtype).T).float()
+
+    def argmax(self, h: torch.Tensor, draft: bool = False) -> torch.Tensor:
+        """The row of each h's largest logit [T] (int64; with `draft` and draft rows set, an index into
+        `draft_ids`), as forward(h, draft).argmax(-1) picks it (the first of equal maxima). On the GPU
+        with the FP8 head the GEMV picks it as it goes, never writing the logits (fp8_head_argmax)."""
+        if self.use_fp8 and self.fast_fp8_argmax is not None and h.shape[0] <= 8:
+            if draft and self.draft_ids is not None:
+                self.prepare_draft()
+                return self.fast_fp8_argmax(h, self._draft["fp8_weight"], self._draft["fp8_scale"])
+            return self.fast_fp8_argmax(h, self.fp8_weight, self.fp8_scale)
+        return self(h, draft).argmax(-1)
 
     def _fp8_logits(self, h: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor,
                     draft_key: str | None) -> torch.Tensor:
