@@ -179,7 +179,7 @@ def format_table(r: dict) -> str:
                      f"(the routing wrapper's own {r['verify_routing_wrapper_ms']:.2f} ms left out)")
     if r.get("loop_cycle_ms") is not None:
         parts = r["verify_ms"] + r["draft_steps"] * r["draft_step_ms"]
-        lines.append(f"the MTP loop as it runs (draft, verify, accept, roll back, stream): "
+        lines.append(f"the MTP loop as it runs (draft, verify, accept, commit, stream): "
                      f"{r['loop_cycle_ms']:.2f} ms a cycle, {r['loop_tokens_per_cycle']:.2f} tokens a cycle "
                      f"(the parts above: {parts:.2f} ms); at "
                      f"accept length {r['accept_length']:.2f}: {r['loop_tpot_ms']:.2f} ms a token = "

@@ -512,7 +512,7 @@ class BenchScreen(Screen[None]):
                              f"accept length {r.accept_length:.2f} "
                              f"({how})")
             if r.loop_cycle_ms is not None:
-                lines.append(f"the MTP loop as it runs (accept, roll back, stream included): "
+                lines.append(f"the MTP loop as it runs (accept, commit, stream included): "
                              f"{number(r.loop_cycle_ms)} ms a cycle → {number(r.loop_tpot_ms)} ms a token at "
                              f"accept length {r.accept_length:.2f}")
             first = ""
