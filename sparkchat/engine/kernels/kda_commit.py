@@ -78,8 +78,8 @@ class _Plan:
         assert 0 <= last < self.positions
         nb, warps = LAUNCH
         grid = (self.table.shape[0], self.heads * nb + triton.cdiv(self.conv, BLOCK))
-        kda_commit_kernel[grid](self.table, last, T=self.positions, H=self.heads, DH=self.head_dim, NB=nb, CONV=self.conv,
-                                ROW=self.row, BLOCK=BLOCK, num_warps=warps)
+        kda_commit_kernel[grid](self.table, last, T=self.positions, H=self.heads, DH=self.head_dim, NB=nb,
+                                CONV=self.conv, ROW=self.row, BLOCK=BLOCK, num_warps=warps)
 
 
 def _plan(layers: list[tuple[torch.Tensor, ...]]) -> _Plan:

@@ -3,8 +3,9 @@
 Each program holds a block of one head's dk×dv fp32 state in registers for all T positions: causal
 conv update of the head's q|k|v channels, silu, L2 norms, gate, beta, delta-rule recurrence, gated output
 RMSNorm, and the in-place conv/recurrent state updates, plus the conv window and (keep_steps) each
-position's delta-rule inputs, from which kda_commit advances the state the verify left untouched. It rounds exactly where kda_core rounds: the conv output, the
-gate and beta to the model dtype, o to the model dtype before the norm.
+position's delta-rule inputs, from which kda_commit advances the state a verify leaves untouched. It
+rounds exactly where kda_core rounds: the conv output, the gate and beta to the model dtype, o to the
+model dtype before the norm.
 
 dv_blocks (LAUNCH: 4) spreads each head's value columns over that many programs (more SMs for the
 state's bytes); the head's last program to finish then applies the output norm, which needs the whole o.
@@ -22,8 +23,9 @@ from sparkchat.engine.kernels.pdl import pdl_args, pdl_wait
 MAX_TOKENS = 8  # longer non-chunked steps go to the torch twin
 # Programs per head and warps (H200 sweeps, docs/benchmarks.md): each head's value columns spread over
 # 4 programs of 4 warps — one token 4.65 µs a layer (one program of 8 warps: 8.95 µs; 4 x 2 warps was
-# faster alone, 4.15 µs, but not in the graphed step), a 4-token verify with its per-position states
-# 9.1 µs (one program of 8 warps: 36.9 µs).
+# faster alone, 4.15 µs, but not in the graphed step), a 4-token verify 9.1 µs when it kept per-position
+# states (one program of 8 warps: 36.9 µs), 8.2 µs keeping its inputs. kda_commit launches the same way
+# (its sums must run in the verify's order).
 LAUNCH = (4, 4)
 
 
