@@ -26,9 +26,23 @@ OFFICIAL_KEYS = {
 }
 
 
+def _torch_kda_reference() -> None:
+    """The reference's KDA in its own torch form. transformers binds fla-core's kernels when the package
+    is installed (sparkchat's GPU prefill uses it), and those cannot run on the CPU where the reference
+    runs: unwrap them back to the torch functions they decorate."""
+    import inspect
+
+    from transformers.models.bailing_hybrid import modeling_bailing_hybrid as m
+
+    for name in ("chunk_kimi_delta_attention", "recurrent_kimi_delta_attention"):
+        setattr(m, name, inspect.unwrap(getattr(m, name)))
+
+
 def build_reference(seed: int = 0, **overrides: Any):
     """A transformers BailingHybridForCausalLM with every weight randomized (norms and biases too)."""
     from transformers import BailingHybridConfig, BailingHybridForCausalLM
+
+    _torch_kda_reference()
 
     torch.manual_seed(seed)
     cfg = BailingHybridConfig(**{**BASE, **overrides})

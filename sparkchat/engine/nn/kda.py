@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sparkchat.engine.kernels.kda_prefill import FLA_HEAD_DIMS, fla_chunk_kda, kda_prefill
 from sparkchat.engine.nn.linear import FusedLinear, Linear, project
 from sparkchat.engine.nn.norm import gated_rms_norm
 from sparkchat.engine.nn.ops import ops, register
@@ -176,19 +177,26 @@ def kda_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor,
     conv = sum(win32[j:j + T] * conv_w[:, j] for j in range(conv_w.shape[1]))  # causal depthwise conv
     qkv = F.silu(conv).to(dtype)
     conv_state.copy_(window[T:])
-    q, k, v = (t.reshape(T, h, d).float() for t in qkv.split(h * d, dim=-1))  # after the conv
-    q = l2norm(q) * d ** -0.5
-    k = l2norm(k)
+    q, k, v = (t.reshape(T, h, d) for t in qkv.split(h * d, dim=-1))  # after the conv
     f = f.float().view(T, h, d) + dt_bias.view(h, d)
     rate = A_log.exp().view(1, h, 1)
     g = lower_bound * torch.sigmoid(rate * f) if safe_gate else -rate * F.softplus(f)
-    g = g.to(dtype).float()  # the reference rounds the gate to the model dtype
-    beta = torch.sigmoid(beta_logit).float()
-    if chunked:
-        o, S = kda_chunked(q, k, v, g, beta, recurrent)
-        steps = None
+    g = g.to(dtype)  # the reference rounds the gate to the model dtype
+    beta = torch.sigmoid(beta_logit)
+    steps = None
+    fla = fla_chunk_kda() if chunked and q.is_cuda and d in FLA_HEAD_DIMS else None
+    # a prompt on the GPU: fla-core's chunked kernels (kernels/kda_prefill.py), if they run here
+    done = kda_prefill(q, k, v, g, beta, recurrent, fla) if fla is not None else None
+    if done is not None:
+        o, S = done
     else:
-        o, S, steps = kda_recurrent(q, k, v, g, beta, recurrent, keep_steps)
+        q = l2norm(q.float()) * d ** -0.5
+        k = l2norm(k.float())
+        v, g, beta = v.float(), g.float(), beta.float()
+        if chunked:
+            o, S = kda_chunked(q, k, v, g, beta, recurrent)
+        else:
+            o, S, steps = kda_recurrent(q, k, v, g, beta, recurrent, keep_steps)
     if not keep_steps:  # a verify leaves the state for commit_steps to advance to the accepted position
         recurrent.copy_(S)
     o = gated_rms_norm(o.to(dtype), out_gate.reshape(T, h, d), o_norm_w, eps).reshape(T, h * d)

@@ -1,0 +1,59 @@
+"""A prompt's KDA layers on the GPU through fla-core's chunked kernels (the twin: nn.kda.kda_chunked).
+
+Prefill runs each KDA layer's delta rule over the whole prompt. The torch chunked form issues a dozen
+small kernels per 32-token chunk, one chunk after another — 256 chunks a layer for an 8K prompt, the
+bulk of a long prompt's time to first token. fla-core's `chunk_kda` (the kernels the transformers
+reference itself calls on a GPU) does a layer in a few launches. It gets what the reference gives it:
+q, k, v after the conv in the model dtype with the L2 norms in the kernel, the gate and beta in the
+model dtype, the fp32 state.
+
+Optional: without fla-core installed (`pip install -e '.[cuda]'` brings it), when it fails to import, or
+with SPARKCHAT_FLA_PREFILL=0, prompts keep the torch form.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Callable
+
+import torch
+
+FLA_HEAD_DIMS = (64, 128, 256)  # head sizes its kernels' tiles are built for (Ling-3.0-flash: 128)
+_LOADED: dict[str, Callable | None] = {}
+
+
+def fla_chunk_kda() -> Callable | None:
+    """fla-core's chunk_kda, or None (not installed, not importable here, or turned off)."""
+    if os.environ.get("SPARKCHAT_FLA_PREFILL", "1") == "0":
+        return None
+    if "chunk_kda" not in _LOADED:
+        try:
+            from fla.ops.kda import chunk_kda
+        except Exception:  # noqa: BLE001 — any import failure means the torch form
+            chunk_kda = None
+        _LOADED["chunk_kda"] = chunk_kda
+    return _LOADED["chunk_kda"]
+
+
+def kda_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                state: torch.Tensor, chunk_kda: Callable) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """q, k, v, g: [T, h, d] (after the conv, not normed; the gate in log space), beta: [T, h], all in
+    the model dtype; state: [h, d, d] fp32 (not written). Returns (o [T, h, d] in the model dtype, the
+    final state fp32), as kda_chunked computes them from the normed, scaled fp32 q and k — or None when
+    fla-core's kernels fail here (a GPU its Triton kernels do not support): then, and from then on, the
+    caller keeps the torch form."""
+    try:
+        return _chunk(q, k, v, g, beta, state, chunk_kda)
+    except Exception as e:  # noqa: BLE001 — nothing was written yet: the torch form can take over
+        _LOADED["chunk_kda"] = None
+        warnings.warn(f"fla-core's chunked KDA failed on this GPU, prompts use the torch form: {e}", stacklevel=2)
+        return None
+
+
+def _chunk(q, k, v, g, beta, state, chunk_kda):
+    o, final = chunk_kda(q.unsqueeze(0).contiguous(), k.unsqueeze(0).contiguous(), v.unsqueeze(0).contiguous(),
+                         g.unsqueeze(0).contiguous(), beta.unsqueeze(0).contiguous(), scale=q.shape[-1] ** -0.5,
+                         initial_state=state.unsqueeze(0).contiguous(), output_final_state=True,
+                         use_qk_l2norm_in_kernel=True)
+    return o[0], final[0].float()
