@@ -1,6 +1,6 @@
-"""A prompt's KDA layer through fla-core's chunked kernels (kernels/kda_prefill.py) against the torch
-chunked form it replaces on the GPU (nn.kda.kda_chunked, via kda_core with SPARKCHAT_FLA_PREFILL=0).
-Skipped without CUDA or without fla-core."""
+"""A prompt's KDA layer through fla-core's chunked kernels (kernels/kda_prefill.py, SPARKCHAT_FLA_PREFILL=1)
+against the torch chunked form it replaces on the GPU (nn.kda.kda_chunked). Skipped without CUDA or
+without fla-core."""
 
 from __future__ import annotations
 
@@ -9,7 +9,13 @@ import torch
 
 from sparkchat.engine.kernels.kda_prefill import fla_chunk_kda
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or fla_chunk_kda() is None,
+def _fla_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("fla") is not None
+
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or not _fla_installed(),
                                 reason="needs a CUDA device and fla-core")
 
 

@@ -7,8 +7,10 @@ reference itself calls on a GPU) does a layer in a few launches. It gets what th
 q, k, v after the conv in the model dtype with the L2 norms in the kernel, the gate and beta in the
 model dtype, the fp32 state.
 
-Optional: without fla-core installed (`pip install -e '.[cuda]'` brings it), when it fails to import, or
-with SPARKCHAT_FLA_PREFILL=0, prompts keep the torch form.
+Off until it has run on a GPU (SPARKCHAT_FLA_PREFILL=1 turns it on, with fla-core installed: `pip install
+fla-core`): its first H200 run spent its time limit compiling and autotuning fla's kernels before a
+single prompt finished (docs/benchmarks.md, session 15). Without fla-core, when it fails to import or to
+run, prompts keep the torch form.
 """
 
 from __future__ import annotations
@@ -24,8 +26,8 @@ _LOADED: dict[str, Callable | None] = {}
 
 
 def fla_chunk_kda() -> Callable | None:
-    """fla-core's chunk_kda, or None (not installed, not importable here, or turned off)."""
-    if os.environ.get("SPARKCHAT_FLA_PREFILL", "1") == "0":
+    """fla-core's chunk_kda, or None (not turned on, not installed, or not importable here)."""
+    if os.environ.get("SPARKCHAT_FLA_PREFILL", "0") != "1":
         return None
     if "chunk_kda" not in _LOADED:
         try:
