@@ -502,7 +502,8 @@ def bench_kda(rec: Recorder, sweep: bool) -> None:
             us = triton.testing.do_bench_cudagraph(fn) * 1e3
             rec.add(f"kda core T={T} keep_steps={keep}: {name}", us, state_bytes)
     opsmod.disable_compile()
-    # a prompt's KDA layer: the torch chunked form against fla-core's chunked kernels (kernels/kda_prefill.py)
+    # a prompt's KDA layer: the torch chunked form a chunk at a time and 16 chunks at once (nn.kda.chunk_group),
+    # and fla-core's chunked kernels (kernels/kda_prefill.py)
     import os
     import time
 
@@ -510,8 +511,11 @@ def bench_kda(rec: Recorder, sweep: bool) -> None:
 
     for T in (2048, 8192):
         x, (conv, recur), w = make_inputs(T, heads, dh, 4, torch.bfloat16, "cuda")
-        for label, switch in (("torch chunked form", "0"), ("fla-core chunk_kda", "1")):
+        for label, switch, group in (("torch chunked form, a chunk at a time", "0", "1"),
+                                     ("torch chunked form, 16 chunks at once", "0", "16"),
+                                     ("fla-core chunk_kda", "1", "16")):
             os.environ["SPARKCHAT_FLA_PREFILL"] = switch
+            os.environ["SPARKCHAT_KDA_CHUNK_GROUP"] = group
             if switch == "1" and fla_chunk_kda() is None:
                 print("fla-core is not installed: no fla prefill row")
                 continue
@@ -526,6 +530,7 @@ def bench_kda(rec: Recorder, sweep: bool) -> None:
             us = (time.perf_counter() - t0) / 3 * 1e6
             rec.add(f"kda prefill of {T} tokens, one layer: {label}", us, 0, us_per_token=round(us / T, 3))
     os.environ.pop("SPARKCHAT_FLA_PREFILL", None)
+    os.environ.pop("SPARKCHAT_KDA_CHUNK_GROUP", None)
     # the commit after a 4-token verify: Ling-3.0-flash's 35 KDA layers in one launch, each reading and
     # writing its state (and reading the kept inputs of the positions it applies)
     from sparkchat.engine.kernels.kda_commit import kda_commit

@@ -6,6 +6,7 @@ read by q. Decode runs the recurrence token by token; prefill uses the chunked f
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -81,38 +82,66 @@ def commit_steps(recurrent: torch.Tensor, inputs: torch.Tensor, last: int) -> No
     recurrent.copy_(S)
 
 
+def chunk_group(device: torch.device, heads: int, dk: int, chunk: int = 32) -> int:
+    """Chunks kda_chunked handles at once: as many as keep one group's decays [heads, chunk, chunk, dk] fp32
+    within ~256 MB on a GPU (16 at Ling's 32 heads × 128: fewer launches is what counts there) and ~8 MB
+    on a CPU (cache-sized tensors are what counts there). SPARKCHAT_KDA_CHUNK_GROUP overrides (A/B)."""
+    forced = os.environ.get("SPARKCHAT_KDA_CHUNK_GROUP")
+    if forced:
+        return max(1, int(forced))
+    budget = (256 if device.type == "cuda" else 8) << 20
+    return max(1, min(64, budget // (heads * chunk * chunk * dk * 4)))
+
+
 def kda_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                state: torch.Tensor, chunk: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+                state: torch.Tensor, chunk: int = 32, group: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """The same recurrence computed chunk by chunk (matrix products inside a chunk), for prefill.
 
     Within a chunk, with cumulative log-decays G_t (per key channel), the delta rule becomes a unit
     lower-triangular system (I + A) U = β ⊙ (V − (K⊙e^G) S0), A_ts = β_t Σ_c k_tc k_sc e^{G_tc − G_sc} (s < t).
     Decays enter only as differences G_t − G_s ≤ 0, so nothing overflows however long the chunk.
+    The system is linear in S0: U = U_v − W S0 with U_v = (I + A)⁻¹ β V and W = (I + A)⁻¹ β (K⊙e^G), and
+    neither depends on the state — so everything but the state's pass from chunk to chunk (four small
+    matrix products a chunk) can be computed for `group` chunks at once: on a GPU ~15 launches a chunk
+    become a few a group (chunk_group() sizes the groups).
     """
     T, h, dk = k.shape
     dv = v.shape[-1]
-    o = q.new_empty(T, h, dv)
-    S = state
-    for s0 in range(0, T, chunk):
-        s1 = min(s0 + chunk, T)
-        n = s1 - s0
-        qc, kc, vc = q[s0:s1].transpose(0, 1), k[s0:s1].transpose(0, 1), v[s0:s1].transpose(0, 1)  # [h, n, d]
-        bc = beta[s0:s1].transpose(0, 1).unsqueeze(-1)  # [h, n, 1]
-        G = g[s0:s1].transpose(0, 1).cumsum(1)  # [h, n, dk]
-        diff = G.unsqueeze(2) - G.unsqueeze(1)  # [h, t, s, dk] = G_t - G_s
-        causal = torch.tril(torch.ones(n, n, dtype=torch.bool, device=q.device))
+    n = -(-T // chunk)
+    pad = n * chunk - T
+
+    def chunks(x: torch.Tensor) -> torch.Tensor:  # [T, h, ...] -> [h, n, chunk, ...]; zero rows change nothing
+        x = torch.nn.functional.pad(x, (0, 0) * (x.dim() - 1) + (0, pad)) if pad else x
+        return x.reshape(n, chunk, h, *x.shape[2:]).transpose(0, 2).transpose(1, 2)
+
+    qc, kc, vc, gc = chunks(q), chunks(k), chunks(v), chunks(g)  # [h, n, C, d]
+    bc = chunks(beta.unsqueeze(-1))  # [h, n, C, 1]
+    causal = torch.tril(torch.ones(chunk, chunk, dtype=torch.bool, device=q.device))
+    strict = torch.eye(chunk, dtype=torch.bool, device=q.device)
+    eye = torch.eye(chunk, dtype=q.dtype, device=q.device)
+    parts = []
+    for c0 in range(0, n, group):  # the state-free work, `group` chunks at a time (bounded memory)
+        sl = slice(c0, min(c0 + group, n))
+        qg, kg, vg, bg = qc[:, sl], kc[:, sl], vc[:, sl], bc[:, sl]
+        G = gc[:, sl].cumsum(2)  # [h, m, C, dk]
+        diff = G.unsqueeze(3) - G.unsqueeze(2)  # [h, m, t, s, dk] = G_t - G_s
         decay = diff.masked_fill(~causal[..., None], float("-inf")).exp()  # zero above the diagonal
-        strict = torch.eye(n, dtype=torch.bool, device=q.device)
-        A = torch.einsum("htc,hsc,htsc->hts", kc, kc, decay).masked_fill(strict, 0) * bc
-        k_in = kc * G.exp()  # k_t ⊙ e^{G_t}: decay from the chunk start to t
-        rhs = bc * (vc - k_in @ S)  # [h, n, dv]
-        eye = torch.eye(n, dtype=q.dtype, device=q.device)
-        U = torch.linalg.solve_triangular(eye + A, rhs, upper=False, unitriangular=True)
-        P = torch.einsum("htc,hsc,htsc->hts", qc, kc, decay)  # s ≤ t
-        o[s0:s1] = ((qc * G.exp()) @ S + P @ U).transpose(0, 1)
-        G_end = G[:, -1:, :]  # [h, 1, dk]
-        S = S * G_end.transpose(1, 2).exp() + (kc * (G_end - G).exp()).transpose(1, 2) @ U
-    return o, S
+        A = torch.einsum("hmtc,hmsc,hmtsc->hmts", kg, kg, decay).masked_fill(strict, 0) * bg
+        P = torch.einsum("hmtc,hmsc,hmtsc->hmts", qg, kg, decay)  # s <= t
+        L = eye + A
+        W = torch.linalg.solve_triangular(L, bg * (kg * G.exp()), upper=False, unitriangular=True)
+        Uv = torch.linalg.solve_triangular(L, bg * vg, upper=False, unitriangular=True)
+        G_end = G[:, :, -1:, :]  # [h, m, 1, dk]
+        parts.append((qg * G.exp(), P, W, Uv, (kg * (G_end - G).exp()).transpose(-1, -2),
+                      G_end.exp().transpose(-1, -2)))
+    Qg, P, W, Uv, Kt, D = (torch.cat(x, dim=1) for x in zip(*parts))
+    o = q.new_empty(h, n, chunk, dv)
+    S = state
+    for i in range(n):  # the state's pass: its only sequential part
+        U = Uv[:, i] - W[:, i] @ S
+        o[:, i] = Qg[:, i] @ S + P[:, i] @ U
+        S = S * D[:, i] + Kt[:, i] @ U
+    return o.reshape(h, n * chunk, dv).transpose(0, 1)[:T], S
 
 
 class KimiDeltaAttention(nn.Module):
@@ -194,7 +223,7 @@ def kda_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor,
         k = l2norm(k.float())
         v, g, beta = v.float(), g.float(), beta.float()
         if chunked:
-            o, S = kda_chunked(q, k, v, g, beta, recurrent)
+            o, S = kda_chunked(q, k, v, g, beta, recurrent, group=chunk_group(q.device, h, d))
         else:
             o, S, steps = kda_recurrent(q, k, v, g, beta, recurrent, keep_steps)
     if not keep_steps:  # a verify leaves the state for commit_steps to advance to the accepted position
