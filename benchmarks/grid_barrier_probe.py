@@ -27,6 +27,7 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.bench_kernels import graph_us  # noqa: E402
 from sparkchat.engine.kernels.pdl import pdl_args, pdl_wait  # noqa: E402
 
 
@@ -54,24 +55,6 @@ def barrier_kernel(buf_ptr, cnt_ptr, ROUNDS: tl.constexpr, NP: tl.constexpr):
         tl.atomic_add(cnt_ptr, 0, sem="acquire", scope="gpu")  # then one acquire: the others' writes visible
 
 
-def time_graph(fn, reps: int = 20) -> float:
-    """Median ms of a CUDA graph holding fn's launches."""
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return sorted(times)[len(times) // 2]
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=400)
@@ -96,9 +79,9 @@ def main() -> None:
 
         for name, fn in (("launches, PDL", lambda: launches(True)), ("launches, no PDL", lambda: launches(False)),
                          ("one kernel, grid barriers", barrier)):
-            ms = time_graph(fn)
+            us = graph_us([fn])  # the whole fn (all its rounds) replayed in a CUDA graph
             print(f"{n} programs ({per_sm} an SM), {args.rounds} rounds, {name}: "
-                  f"{1000 * ms / args.rounds:.2f} µs a round", flush=True)
+                  f"{us / args.rounds:.2f} µs a round", flush=True)
 
 
 if __name__ == "__main__":
