@@ -111,7 +111,7 @@ def kda_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     pad = n * chunk - T
 
     def chunks(x: torch.Tensor) -> torch.Tensor:  # [T, h, ...] -> [h, n, chunk, ...]; zero rows change nothing
-        x = torch.nn.functional.pad(x, (0, 0) * (x.dim() - 1) + (0, pad)) if pad else x
+        x = F.pad(x, (0, 0) * (x.dim() - 1) + (0, pad)) if pad else x
         return x.reshape(n, chunk, h, *x.shape[2:]).transpose(0, 2).transpose(1, 2)
 
     qc, kc, vc, gc = chunks(q), chunks(k), chunks(v), chunks(g)  # [h, n, C, d]
@@ -128,11 +128,12 @@ def kda_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
         decay = diff.masked_fill(~causal[..., None], float("-inf")).exp()  # zero above the diagonal
         A = torch.einsum("hmtc,hmsc,hmtsc->hmts", kg, kg, decay).masked_fill(strict, 0) * bg
         P = torch.einsum("hmtc,hmsc,hmtsc->hmts", qg, kg, decay)  # s <= t
-        L = eye + A
-        W = torch.linalg.solve_triangular(L, bg * (kg * G.exp()), upper=False, unitriangular=True)
-        Uv = torch.linalg.solve_triangular(L, bg * vg, upper=False, unitriangular=True)
+        eG = G.exp()
+        # W and U_v from one solve: their right-hand sides side by side
+        WU = torch.linalg.solve_triangular(eye + A, torch.cat([bg * (kg * eG), bg * vg], dim=-1), upper=False,
+                                           unitriangular=True)
         G_end = G[:, :, -1:, :]  # [h, m, 1, dk]
-        parts.append((qg * G.exp(), P, W, Uv, (kg * (G_end - G).exp()).transpose(-1, -2),
+        parts.append((qg * eG, P, WU[..., :dk], WU[..., dk:], (kg * (G_end - G).exp()).transpose(-1, -2),
                       G_end.exp().transpose(-1, -2)))
     Qg, P, W, Uv, Kt, D = (torch.cat(x, dim=1) for x in zip(*parts))
     o = q.new_empty(h, n, chunk, dv)
