@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 import pytest
 
-from tests.tiny import add_mtp_layer, build_reference, save_reference
+from tests.tiny import add_mtp_layer, build_reference, save_reference, torch_kda_reference
 from tests.tiny_tokenizer import write_test_tokenizer
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if importlib.util.find_spec("fla") is not None:  # fla-core installed (a GPU machine): CPU references
+        torch_kda_reference()
 
 
 def make_model_dir(path: Path, seed: int = 0, mtp: bool = True, **overrides) -> Path:

@@ -26,7 +26,7 @@ OFFICIAL_KEYS = {
 }
 
 
-def _torch_kda_reference() -> None:
+def torch_kda_reference() -> None:
     """The reference's KDA in its own torch form. transformers binds fla-core's kernels when the package
     is installed (sparkchat's GPU prefill uses it), and those cannot run on the CPU where the reference
     runs: unwrap them back to the torch functions they decorate."""
@@ -41,8 +41,6 @@ def _torch_kda_reference() -> None:
 def build_reference(seed: int = 0, **overrides: Any):
     """A transformers BailingHybridForCausalLM with every weight randomized (norms and biases too)."""
     from transformers import BailingHybridConfig, BailingHybridForCausalLM
-
-    _torch_kda_reference()
 
     torch.manual_seed(seed)
     cfg = BailingHybridConfig(**{**BASE, **overrides})

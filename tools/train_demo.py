@@ -19,6 +19,7 @@ Expert biases follow the aux-loss-free rule: after each step, b += rate * sign(m
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import math
 import os
@@ -133,7 +134,11 @@ class MTPLayer(nn.Module):
 
 def build(spec: Spec, seed: int = 0) -> tuple[nn.Module, MTPLayer]:
     from transformers import BailingHybridForCausalLM
+    from transformers.models.bailing_hybrid import modeling_bailing_hybrid as hf
 
+    # transformers binds fla-core's GPU kernels for KDA when it is installed: training here needs its torch form
+    for name in ("chunk_kimi_delta_attention", "recurrent_kimi_delta_attention"):
+        setattr(hf, name, inspect.unwrap(getattr(hf, name)))
     spec.check()
     torch.manual_seed(seed)
     cfg = hf_config(spec)
