@@ -86,6 +86,31 @@ def test_kda_chunked_form_equals_the_recurrence(T, group):
     assert ((S2 - S1).abs().max() / S1.abs().max()).item() < 1e-5
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("T", [300, 2048])
+def test_kda_chunked_form_on_the_gpu_at_lings_shape(T):
+    """On a GPU the chunked form runs chunk_group() chunks at once (16 at 32 heads × 128): same outputs
+    and final state as the recurrence, and as a chunk at a time."""
+    from sparkchat.engine.nn.kda import chunk_group, kda_chunked, kda_recurrent, l2norm
+
+    gen = torch.Generator(device="cuda").manual_seed(T)
+    h, d = 32, 128
+    q = l2norm(torch.randn(T, h, d, generator=gen, device="cuda")) * d ** -0.5
+    k = l2norm(torch.randn(T, h, d, generator=gen, device="cuda"))
+    v = torch.randn(T, h, d, generator=gen, device="cuda")
+    g = -2 * torch.rand(T, h, d, generator=gen, device="cuda")
+    beta = torch.rand(T, h, generator=gen, device="cuda")
+    S0 = 0.3 * torch.randn(h, d, d, generator=gen, device="cuda")
+    group = chunk_group(q.device, h, d)
+    assert group > 1
+    o1, S1, _ = kda_recurrent(q, k, v, g, beta, S0)
+    o2, S2 = kda_chunked(q, k, v, g, beta, S0, group=group)
+    o3, S3 = kda_chunked(q, k, v, g, beta, S0, group=1)
+    for o, S in ((o2, S2), (o3, S3)):
+        assert ((o - o1).abs().max() / o1.abs().max()).item() < 1e-3
+        assert ((S - S1).abs().max() / S1.abs().max()).item() < 1e-3
+
+
 def test_kda_chunked_prefill_equals_token_by_token_decode(tiny):
     model, cfg = _load(tiny)
     ids = torch.randint(0, cfg.vocab_size, (70,), generator=torch.Generator().manual_seed(1))
@@ -232,3 +257,14 @@ def test_next_turn_reuses_the_prompt_checkpoint_when_the_answer_was_rewritten(ti
     list(engine.generate_ids(p1, SamplingParams(max_tokens=6, ignore_eos=True)))
     last = list(engine.generate_ids(rewritten, SamplingParams(max_tokens=2)))[-1].stats
     assert last.prefilled_tokens == len(rewritten) - len(p1)
+
+
+def test_fla_prefill_switch_and_warm_up_off_the_gpu(monkeypatch):
+    """SPARKCHAT_FLA_PREFILL=0 keeps prompts on the torch form; a CPU never warms fla-core's kernels
+    (Engine.load calls warm_up on a GPU only; the check is the function's own)."""
+    from sparkchat.engine.kernels.kda_prefill import fla_chunk_kda, warm_up
+
+    monkeypatch.setenv("SPARKCHAT_FLA_PREFILL", "0")
+    assert fla_chunk_kda() is None
+    monkeypatch.delenv("SPARKCHAT_FLA_PREFILL")
+    assert not warm_up(32, 128, torch.device("cpu"), torch.float32)

@@ -44,3 +44,16 @@ def test_fla_prefill_matches_the_torch_form(T, safe, monkeypatch):
     # and it is the prompt that decides: another prompt's state is far off
     _, s3, _ = _prefill(T, safe, True, monkeypatch, seed=1)
     assert ((s3 - s1).abs().max() / s1.abs().max()).item() > 0.1
+
+
+def test_warm_up_readies_the_kernels_at_lings_shape(monkeypatch):
+    """Engine.load's warm-up: on by default with fla-core installed, at the model's KDA shape; off with
+    SPARKCHAT_FLA_PREFILL=0 or a head size fla's tiles are not built for."""
+    from sparkchat.engine.kernels.kda_prefill import warm_up
+
+    dev = torch.device("cuda")
+    monkeypatch.delenv("SPARKCHAT_FLA_PREFILL", raising=False)
+    assert warm_up(32, 128, dev, torch.bfloat16)
+    assert not warm_up(32, 8, dev, torch.bfloat16)
+    monkeypatch.setenv("SPARKCHAT_FLA_PREFILL", "0")
+    assert not warm_up(32, 128, dev, torch.bfloat16)

@@ -32,7 +32,10 @@ def torch_kda_reference() -> None:
     runs: unwrap them back to the torch functions they decorate."""
     import inspect
 
-    from transformers.models.bailing_hybrid import modeling_bailing_hybrid as m
+    try:
+        from transformers.models.bailing_hybrid import modeling_bailing_hybrid as m
+    except ImportError:  # a transformers without the model: the tests that need the reference say so
+        return
 
     for name in ("chunk_kimi_delta_attention", "recurrent_kimi_delta_attention"):
         setattr(m, name, inspect.unwrap(getattr(m, name)))

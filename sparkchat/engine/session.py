@@ -98,9 +98,11 @@ class Engine:
         if dev.type == "cpu":
             cache_dequantized(model)
         else:
+            from sparkchat.engine.kernels.kda_prefill import warm_up
             from sparkchat.engine.nn.ops import enable_compile
 
             enable_compile()
+            warm_up(cfg.num_attention_heads, cfg.head_dim, dev, dt)  # fla-core's prompt kernels, if installed
         return cls(model, tokenizer, max_context, path.name, path)
 
     # -- switches -----------------------------------------------------------------------------

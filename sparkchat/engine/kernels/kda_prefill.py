@@ -7,10 +7,12 @@ reference itself calls on a GPU) does a layer in a few launches. It gets what th
 q, k, v after the conv in the model dtype with the L2 norms in the kernel, the gate and beta in the
 model dtype, the fp32 state.
 
-Off until it has run on a GPU (SPARKCHAT_FLA_PREFILL=1 turns it on, with fla-core installed: `pip install
-fla-core`): its first H200 run spent its time limit compiling and autotuning fla's kernels before a
-single prompt finished (docs/benchmarks.md, session 15). Without fla-core, when it fails to import or to
-run, prompts keep the torch form.
+On by default where fla-core is installed (`pip install 'sparkchat[cuda]'`; SPARKCHAT_FLA_PREFILL=0 keeps
+the torch form): on the H200, 0.11 against 0.41 ms a prompt token for the whole model at 8192 tokens
+(docs/benchmarks.md, session 16). Its kernels compile and autotune on first use — ~98 s once on a
+machine, ~8 s in each later process (Triton keeps both on disk) — so Engine.load pays it (warm_up)
+rather than the first prompt. Without fla-core, or when it fails to import or to run, prompts keep
+the torch form.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ _LOADED: dict[str, Callable | None] = {}
 
 def fla_chunk_kda() -> Callable | None:
     """fla-core's chunk_kda, or None (not turned on, not installed, or not importable here)."""
-    if os.environ.get("SPARKCHAT_FLA_PREFILL", "0") != "1":
+    if os.environ.get("SPARKCHAT_FLA_PREFILL", "1") == "0":
         return None
     if "chunk_kda" not in _LOADED:
         try:
@@ -59,3 +61,20 @@ def _chunk(q, k, v, g, beta, state, chunk_kda):
                          initial_state=state.unsqueeze(0).contiguous(), output_final_state=True,
                          use_qk_l2norm_in_kernel=True)
     return o[0], final[0].float()
+
+
+def warm_up(heads: int, head_dim: int, device: torch.device, dtype: torch.dtype) -> bool:
+    """Compile (and on a new machine autotune) fla-core's kernels for the model's KDA shape now, on a
+    64-token dummy prompt, so the first real prompt does not wait for it. True when they are ready;
+    False when prompts will use the torch form (off, not installed, another head size, a failure)."""
+    if device.type != "cuda" or head_dim not in FLA_HEAD_DIMS:
+        return False
+    chunk_kda = fla_chunk_kda()  # imports fla-core: only where it could run
+    if chunk_kda is None:
+        return False
+    gen = torch.Generator(device=device).manual_seed(0)
+    q, k, v = (torch.randn(64, heads, head_dim, device=device, dtype=dtype, generator=gen) for _ in range(3))
+    g = -torch.rand(64, heads, head_dim, device=device, generator=gen).to(dtype)
+    beta = torch.rand(64, heads, device=device, generator=gen).to(dtype)
+    state = torch.zeros(heads, head_dim, head_dim, device=device)
+    return kda_prefill(q, k, v, g, beta, state, chunk_kda) is not None
