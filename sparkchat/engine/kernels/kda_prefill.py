@@ -1,11 +1,10 @@
 """A prompt's KDA layers on the GPU through fla-core's chunked kernels (the twin: nn.kda.kda_chunked).
 
-Prefill runs each KDA layer's delta rule over the whole prompt. The torch chunked form issues a dozen
-small kernels per 32-token chunk, one chunk after another — 256 chunks a layer for an 8K prompt, the
-bulk of a long prompt's time to first token. fla-core's `chunk_kda` (the kernels the transformers
-reference itself calls on a GPU) does a layer in a few launches. It gets what the reference gives it:
-q, k, v after the conv in the model dtype with the L2 norms in the kernel, the gate and beta in the
-model dtype, the fp32 state.
+Prefill runs each KDA layer's delta rule over the whole prompt. Our torch chunked form, even with 16
+chunks at once, takes 8–10 µs a token a layer on the H200; fla-core's `chunk_kda` (the kernels the
+transformers reference itself calls on a GPU) 0.7–1.4. It gets what the reference gives it:
+q, k, v after the conv in the model dtype (q and k L2-normed here, as its kernel would), the gate and
+beta in the model dtype, the fp32 state.
 
 On by default where fla-core is installed (`pip install 'sparkchat[cuda]'`; SPARKCHAT_FLA_PREFILL=0 keeps
 the torch form): on the H200, 0.11 against 0.41 ms a prompt token for the whole model at 8192 tokens
@@ -55,11 +54,19 @@ def kda_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
         return None
 
 
+def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """What fla's in-kernel L2 norm computes (fp32 sums, the result in the input dtype). Done here because
+    its kernel is specialized and autotuned per 2048 prompt tokens (a constexpr of ceil(rows / 65536)):
+    ~9.5 s on the H200 for each new band of prompt lengths, which a warm-up could not cover."""
+    x32 = x.float()
+    return (x32 * torch.rsqrt((x32 * x32).sum(-1, keepdim=True) + eps)).to(x.dtype)
+
+
 def _chunk(q, k, v, g, beta, state, chunk_kda):
-    o, final = chunk_kda(q.unsqueeze(0).contiguous(), k.unsqueeze(0).contiguous(), v.unsqueeze(0).contiguous(),
+    o, final = chunk_kda(_l2norm(q).unsqueeze(0), _l2norm(k).unsqueeze(0), v.unsqueeze(0).contiguous(),
                          g.unsqueeze(0).contiguous(), beta.unsqueeze(0).contiguous(), scale=q.shape[-1] ** -0.5,
                          initial_state=state.unsqueeze(0).contiguous(), output_final_state=True,
-                         use_qk_l2norm_in_kernel=True)
+                         use_qk_l2norm_in_kernel=False)
     return o[0], final[0].float()
 
 
