@@ -49,11 +49,13 @@ def test_fla_prefill_matches_the_torch_form(T, safe, monkeypatch):
 def test_warm_up_readies_the_kernels_at_lings_shape(monkeypatch):
     """Engine.load's warm-up: on by default with fla-core installed, at the model's KDA shape; off with
     SPARKCHAT_FLA_PREFILL=0 or a head size fla's tiles are not built for."""
-    from sparkchat.engine.kernels.kda_prefill import warm_up
+    from sparkchat.engine.kernels.kda_prefill import WARM_UP_STAGE, warm_up
 
     dev = torch.device("cuda")
     monkeypatch.delenv("SPARKCHAT_FLA_PREFILL", raising=False)
-    assert warm_up(32, 128, dev, torch.bfloat16)
+    said: list[str] = []
+    assert warm_up(32, 128, dev, torch.bfloat16, said.append)
+    assert said == [WARM_UP_STAGE]
     assert not warm_up(32, 8, dev, torch.bfloat16)
     monkeypatch.setenv("SPARKCHAT_FLA_PREFILL", "0")
     assert not warm_up(32, 128, dev, torch.bfloat16)

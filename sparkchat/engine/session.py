@@ -82,8 +82,10 @@ class Engine:
     @classmethod
     def load(cls, model_dir: str | Path, device: str = "auto", dtype: str = "auto", max_context: int = 8192,
              quantize_experts: bool | None = None,
-             progress: Callable[[int, int], None] | None = None) -> "Engine":
-        """Load a model directory (config.json, safetensors, tokenizer.json, chat template)."""
+             progress: Callable[[int, int], None] | None = None,
+             stage: Callable[[str], None] | None = None) -> "Engine":
+        """Load a model directory (config.json, safetensors, tokenizer.json, chat template). `progress`
+        hears the layers loaded; `stage`, a line for each slow step after them (compiling kernels)."""
         path = Path(model_dir).expanduser()
         cfg = ModelConfig.from_dir(path)
         tokenizer = ChatTokenizer.from_dir(path)
@@ -102,7 +104,7 @@ class Engine:
             from sparkchat.engine.nn.ops import enable_compile
 
             enable_compile()
-            warm_up(cfg.num_attention_heads, cfg.head_dim, dev, dt)  # fla-core's prompt kernels, if installed
+            warm_up(cfg.num_attention_heads, cfg.head_dim, dev, dt, stage)  # fla-core's prompt kernels, if installed
         return cls(model, tokenizer, max_context, path.name, path)
 
     # -- switches -----------------------------------------------------------------------------

@@ -29,12 +29,13 @@ from textual.screen import Screen
 from sparkchat.engine.errors import SparkchatError
 from sparkchat.history import History
 from sparkchat.ui import prefs as prefs_mod
-from sparkchat.ui.messages import EngineFailed, EngineReady, LoadProgress
+from sparkchat.ui.messages import EngineFailed, EngineReady, LoadProgress, LoadStage
 from sparkchat.ui.screens.bench import BenchScreen
 from sparkchat.ui.screens.chat import ChatScreen
 from sparkchat.ui.screens.models import ModelsScreen
 
-EngineFactory = Callable[..., Any]  # () or (progress=callback(layers_done, layers_total)) -> engine
+# () or (progress=callback(layers_done, layers_total), stage=callback(text)), either keyword optional -> engine
+EngineFactory = Callable[..., Any]
 ENGINE_SWITCH_INTERVAL_S = 0.001
 
 
@@ -69,6 +70,7 @@ class SparkchatApp(App[None]):
         self.load_options = {"device": device, "dtype": dtype, "max_context": max_context}  # for model switches
         self.model_dir: Path | None = None  # the folder being loaded or loaded, when the app loaded it
         self.load_progress: tuple[int, int] | None = None  # (layers done, layers total) while loading
+        self.load_stage: str | None = None  # the slow step after the layers, while it runs
         self.bench_running = False
         self._default_after_load: str | None = None  # the `model` setting to save once a switch has loaded
         self._engine_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sparkchat-engine")
@@ -116,7 +118,8 @@ class SparkchatApp(App[None]):
 
         def load() -> Any:
             _release_memory()  # a model being replaced is gone only once collected
-            engine = _call_factory(factory, lambda done, total: self.post_message(LoadProgress(done, total)))
+            engine = _call_factory(factory, lambda done, total: self.post_message(LoadProgress(done, total)),
+                                   lambda text: self.post_message(LoadStage(text)))
             gc.collect()  # the load's own garbage goes now, before on_engine_ready freezes what is left
             return engine
 
@@ -154,6 +157,7 @@ class SparkchatApp(App[None]):
         self.engine_status = "ready"
         self.engine_error = None
         self.load_progress = None
+        self.load_stage = None
         self.apply_switches()
         default, self._default_after_load = self._default_after_load, None
         if default is not None and self._save_default_model(default):
@@ -174,6 +178,7 @@ class SparkchatApp(App[None]):
         self.engine_status = "failed"
         self.engine_error = message.error
         self.load_progress = None
+        self.load_stage = None
         self._default_after_load = None
         self.notify(message.error, title="Model not loaded", severity="error", timeout=10)
         self._engine_changed()
@@ -184,6 +189,12 @@ class SparkchatApp(App[None]):
         self.load_progress = (message.done, message.total)
         if self.models_screen is not None:
             self.models_screen.load_progress_changed()
+
+    def on_load_stage(self, message: LoadStage) -> None:
+        if self.engine_status != "loading":
+            return
+        self.load_stage = message.text
+        self._engine_changed()
 
     def _engine_changed(self) -> None:
         for screen in (self.chat_screen, self.models_screen, self.bench_screen):
@@ -217,6 +228,7 @@ class SparkchatApp(App[None]):
         self.model_label = label
         self.model_dir = path
         self.load_progress = None
+        self.load_stage = None
         self.engine_factory = engine_loader(path, **self.load_options)
         self._engine_changed()
         self._load_engine()
@@ -292,21 +304,24 @@ def engine_thread_settings() -> Iterator[None]:
 
 
 def engine_loader(path: Path, *, device: str = "auto", dtype: str = "auto", max_context: int = 8192) -> EngineFactory:
-    """A factory that loads the model in `path`, reporting layers to `progress`."""
-    def load(progress: Callable[[int, int], None] | None = None) -> Any:
+    """A factory that loads the model in `path`, reporting layers to `progress` and slow steps to `stage`."""
+    def load(progress: Callable[[int, int], None] | None = None, stage: Callable[[str], None] | None = None) -> Any:
         from sparkchat.engine import Engine  # torch loads here, inside the worker
 
-        return Engine.load(path, device=device, dtype=dtype, max_context=max_context, progress=progress)
+        return Engine.load(path, device=device, dtype=dtype, max_context=max_context, progress=progress,
+                           stage=stage)
 
     return load
 
 
-def _call_factory(factory: EngineFactory, progress: Callable[[int, int], None]) -> Any:
+def _call_factory(factory: EngineFactory, progress: Callable[[int, int], None],
+                  stage: Callable[[str], None]) -> Any:
     try:
-        takes_progress = "progress" in inspect.signature(factory).parameters
+        params = inspect.signature(factory).parameters
     except (TypeError, ValueError):
-        takes_progress = False
-    return factory(progress=progress) if takes_progress else factory()
+        params = {}
+    given = {"progress": progress, "stage": stage}
+    return factory(**{name: fn for name, fn in given.items() if name in params})
 
 
 def _release_memory() -> None:

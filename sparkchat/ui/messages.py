@@ -56,6 +56,14 @@ class LoadProgress(Message):
         self.total = total
 
 
+class LoadStage(Message):
+    """A model switch: the layers are in, a slower step runs (`text` says which)."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__()
+        self.text = text
+
+
 class ModelsListed(Message):
     """The local models (sparkchat.hub.LocalModel), or the one-line reason they could not be listed."""
 

@@ -355,6 +355,32 @@ async def test_engine_loads_in_the_background(make_app):
         assert loaded.set_switches_calls == [app.prefs.switches]  # saved switches reach the engine
 
 
+async def test_a_slow_load_step_is_named_while_it_runs(make_app):
+    """After the layers, Engine.load may compile kernels for a while (a minute or two the first time):
+    the chat says so, and forgets it once the model is in."""
+    from sparkchat.engine.kernels.kda_prefill import WARM_UP_STAGE
+
+    release = threading.Event()
+    loaded = FakeEngine(["hi"])
+
+    def factory(progress, stage):
+        progress(4, 4)
+        stage(WARM_UP_STAGE)
+        release.wait(10)
+        return loaded
+
+    app = make_app(engine_factory=factory, model_label="Ling-3.0-flash")
+    async with app.run_test(size=SIZE) as pilot:
+        screen = chat(app)
+        await wait_for(pilot, lambda: WARM_UP_STAGE in static_text(screen.query_one("#empty")))
+        assert screen.sub_title == f"loading model… {WARM_UP_STAGE}"
+        release.set()
+        await wait_for(pilot, lambda: app.engine is loaded)
+        await wait_for(pilot, lambda: "is ready" in static_text(screen.query_one("#empty")))
+        assert app.load_stage is None
+        assert WARM_UP_STAGE not in screen.sub_title
+
+
 async def test_engine_load_failure_is_shown(make_app):
     def factory():
         raise ModelError("no config.json in /models/x")

@@ -70,15 +70,22 @@ def _chunk(q, k, v, g, beta, state, chunk_kda):
     return o[0], final[0].float()
 
 
-def warm_up(heads: int, head_dim: int, device: torch.device, dtype: torch.dtype) -> bool:
+WARM_UP_STAGE = "compiling the GPU's prompt kernels (a minute or two the first time on this machine)"
+
+
+def warm_up(heads: int, head_dim: int, device: torch.device, dtype: torch.dtype,
+            stage: Callable[[str], None] | None = None) -> bool:
     """Compile (and on a new machine autotune) fla-core's kernels for the model's KDA shape now, on a
-    64-token dummy prompt, so the first real prompt does not wait for it. True when they are ready;
-    False when prompts will use the torch form (off, not installed, another head size, a failure)."""
+    64-token dummy prompt, so the first real prompt does not wait for it; `stage` hears WARM_UP_STAGE
+    when that starts. True when they are ready; False when prompts will use the torch form (off, not
+    installed, another head size, a failure)."""
     if device.type != "cuda" or head_dim not in FLA_HEAD_DIMS:
         return False
     chunk_kda = fla_chunk_kda()  # imports fla-core: only where it could run
     if chunk_kda is None:
         return False
+    if stage is not None:
+        stage(WARM_UP_STAGE)
     gen = torch.Generator(device=device).manual_seed(0)
     q, k, v = (torch.randn(64, heads, head_dim, device=device, dtype=dtype, generator=gen) for _ in range(3))
     g = -torch.rand(64, heads, head_dim, device=device, generator=gen).to(dtype)

@@ -144,8 +144,8 @@ class ChatScreen(Screen[None]):
         if engine is not None:
             self.sub_title = f"{engine.name} · {switches_line(self.app.prefs.switches, _states(engine))}"
         else:
-            self.sub_title = {"loading": "loading model…", "failed": "model failed to load"}.get(
-                app.engine_status, "no model loaded")
+            self.sub_title = {"loading": f"loading model… {app.load_stage or ''}".rstrip(),
+                              "failed": "model failed to load"}.get(app.engine_status, "no model loaded")
         notice = self.query_one("#notice", Static)
         notice.display = app.demo_model
         if notice.display:
@@ -163,7 +163,8 @@ class ChatScreen(Screen[None]):
         if app.engine is not None:
             head = f"[b]{app.engine.name}[/b] is ready. Ask anything."
         elif app.engine_status == "loading":
-            head = f"[b]Loading {app.model_label or 'the model'}…[/b]\nYou can type while it loads."
+            stage = f"\n{_escape(app.load_stage)}" if app.load_stage else ""
+            head = f"[b]Loading {app.model_label or 'the model'}…[/b]{stage}\nYou can type while it loads."
         elif app.engine_status == "failed":
             head = f"[b $error]Could not load the model[/]\n{_escape(app.engine_error or '')}"
         else:

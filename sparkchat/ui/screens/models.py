@@ -144,7 +144,8 @@ class ModelsScreen(Screen[None]):
         if engine is not None:
             self.sub_title = f"{engine.name} loaded"
         else:
-            self.sub_title = {"loading": f"loading {app.model_label or 'the model'}…",
+            stage = f" {app.load_stage}" if app.load_stage else ""
+            self.sub_title = {"loading": f"loading {app.model_label or 'the model'}…{stage}",
                               "failed": "model failed to load"}.get(app.engine_status, "no model loaded")
         bar = self.query_one("#load-progress", TransferProgress)
         if app.engine_status == "loading":
