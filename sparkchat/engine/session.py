@@ -104,7 +104,7 @@ class Engine:
             from sparkchat.engine.nn.ops import enable_compile
 
             enable_compile()
-            warm_up(cfg.num_attention_heads, cfg.head_dim, dev, dt, stage)  # fla-core's prompt kernels, if installed
+            warm_up(cfg.num_attention_heads, cfg.head_dim, dev, dt, stage)  # fla-core's prompt kernels
         return cls(model, tokenizer, max_context, path.name, path)
 
     # -- switches -----------------------------------------------------------------------------
