@@ -3,8 +3,8 @@
 Prefill runs each KDA layer's delta rule over the whole prompt. Our torch chunked form, even with 16
 chunks at once, takes 8–10 µs a token a layer on the H200; fla-core's `chunk_kda` (the kernels the
 transformers reference itself calls on a GPU) 0.7–1.4. It gets what the reference gives it:
-q, k, v after the conv in the model dtype (q and k L2-normed here, as its kernel would), the gate and
-beta in the model dtype, the fp32 state.
+q, k, v after the conv in the model dtype (q and k L2-normed by the caller, as its kernel would), the
+gate and beta in the model dtype, the fp32 state.
 
 On by default where fla-core is installed (`pip install 'sparkchat[cuda]'`; SPARKCHAT_FLA_PREFILL=0 keeps
 the torch form): on the H200, 0.11 against 0.41 ms a prompt token for the whole model at 8192 tokens
@@ -27,7 +27,7 @@ _LOADED: dict[str, Callable | None] = {}
 
 
 def fla_chunk_kda() -> Callable | None:
-    """fla-core's chunk_kda, or None (not turned on, not installed, or not importable here)."""
+    """fla-core's chunk_kda, or None (turned off, not installed, or not importable here)."""
     if os.environ.get("SPARKCHAT_FLA_PREFILL", "1") == "0":
         return None
     if "chunk_kda" not in _LOADED:
@@ -41,9 +41,9 @@ def fla_chunk_kda() -> Callable | None:
 
 def kda_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                 state: torch.Tensor, chunk_kda: Callable) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """q, k, v, g: [T, h, d] (after the conv, not normed; the gate in log space), beta: [T, h], all in
-    the model dtype; state: [h, d, d] fp32 (not written). Returns (o [T, h, d] in the model dtype, the
-    final state fp32), as kda_chunked computes them from the normed, scaled fp32 q and k — or None when
+    """q, k, v, g: [T, h, d] (after the conv; q and k L2-normed, not scaled; the gate in log space),
+    beta: [T, h], all in the model dtype; state: [h, d, d] fp32 (not written). Returns (o [T, h, d] in the
+    model dtype, the final state fp32), as kda_chunked computes them from the scaled fp32 q and k — or None when
     fla-core's kernels fail here (a GPU its Triton kernels do not support): then, and from then on, the
     caller keeps the torch form."""
     try:
@@ -54,16 +54,10 @@ def kda_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
         return None
 
 
-def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """What fla's in-kernel L2 norm computes (fp32 sums, the result in the input dtype). Done here because
-    its kernel is specialized and autotuned per 2048 prompt tokens (a constexpr of ceil(rows / 65536)):
-    ~9.5 s on the H200 for each new band of prompt lengths, which a warm-up could not cover."""
-    x32 = x.float()
-    return (x32 * torch.rsqrt((x32 * x32).sum(-1, keepdim=True) + eps)).to(x.dtype)
-
-
 def _chunk(q, k, v, g, beta, state, chunk_kda):
-    o, final = chunk_kda(_l2norm(q).unsqueeze(0), _l2norm(k).unsqueeze(0), v.unsqueeze(0).contiguous(),
+    # q and k come L2-normed: fla's in-kernel norm is specialized and autotuned per 2048 prompt tokens (a
+    # constexpr of ceil(rows / 65536)), ~9.5 s on the H200 for each new band of lengths, past any warm-up
+    o, final = chunk_kda(q.unsqueeze(0).contiguous(), k.unsqueeze(0).contiguous(), v.unsqueeze(0).contiguous(),
                          g.unsqueeze(0).contiguous(), beta.unsqueeze(0).contiguous(), scale=q.shape[-1] ** -0.5,
                          initial_state=state.unsqueeze(0).contiguous(), output_final_state=True,
                          use_qk_l2norm_in_kernel=False)

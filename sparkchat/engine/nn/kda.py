@@ -215,8 +215,9 @@ def kda_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor,
     beta = torch.sigmoid(beta_logit)
     steps = None
     fla = fla_chunk_kda() if chunked and q.is_cuda and d in FLA_HEAD_DIMS else None
-    # a prompt on the GPU: fla-core's chunked kernels (kernels/kda_prefill.py), if they run here
-    done = kda_prefill(q, k, v, g, beta, recurrent, fla) if fla is not None else None
+    done = None
+    if fla is not None:  # a prompt on the GPU: fla-core's chunked kernels (kernels/kda_prefill.py), if they run here
+        done = kda_prefill(l2norm(q.float()).to(dtype), l2norm(k.float()).to(dtype), v, g, beta, recurrent, fla)
     if done is not None:
         o, S = done
     else:
