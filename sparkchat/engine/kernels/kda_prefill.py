@@ -56,7 +56,8 @@ def kda_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
 
 def _chunk(q, k, v, g, beta, state, chunk_kda):
     # q and k come L2-normed: fla's in-kernel norm is specialized and autotuned per 2048 prompt tokens (a
-    # constexpr of ceil(rows / 65536)), ~9.5 s on the H200 for each new band of lengths, past any warm-up
+    # constexpr of ceil(rows / 65536)), ~9.5 s on the H200 for each new band of lengths, past any warm-up;
+    # normed here, no length pays again (H200: 0.00-0.01 s at 1000-12000 tokens, docs/benchmarks.md)
     o, final = chunk_kda(q.unsqueeze(0).contiguous(), k.unsqueeze(0).contiguous(), v.unsqueeze(0).contiguous(),
                          g.unsqueeze(0).contiguous(), beta.unsqueeze(0).contiguous(), scale=q.shape[-1] ** -0.5,
                          initial_state=state.unsqueeze(0).contiguous(), output_final_state=True,
