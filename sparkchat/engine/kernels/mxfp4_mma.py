@@ -116,15 +116,16 @@ def mxfp4_moe_stage1_mma_kernel(
         HW: tl.constexpr = H // 8
         HG: tl.constexpr = H // 32
         GPW: tl.constexpr = HG // W  # groups per warp
-        wi = tl.arange(0, W)[:, None]
-        lane = tl.arange(0, 32)[None, :]
+        idx = tl.arange(0, 32 * W)  # one element a thread: lane idx % 32 of warp idx // 32
+        wi = idx // 32
+        lane = idx % 32
         g = lane // 4
         t = lane % 4
         u = (t * 3) % 4  # the word of its quad's group a thread takes (a permutation Triton cannot vectorize)
         # the B column this lane loads: token g (DEDUPE) or the slot's token in column 0
         if DEDUPE:
             col_tok = g
-            chose = tl.zeros([1, 32], dtype=tl.int32)
+            chose = tl.zeros([32 * W], dtype=tl.int32)
             for j in tl.static_range(T):
                 hit = tl.max((tl.load(ids_ptr + j * K + sl, mask=sl < K, other=-1) == e).to(tl.int32), axis=0)
                 chose = tl.maximum(chose, tl.where(g == j, hit, 0))
@@ -132,27 +133,31 @@ def mxfp4_moe_stage1_mma_kernel(
         else:
             col_tok = s // K + 0 * g
             col_ok = g == 0
-        col_ok = col_ok & (wi >= 0)
-        xb = xq_ptr.to(tl.pointer_type(tl.int32)) + col_tok * (H // 2) + u * 4  # + m * 16 per group
         w_e = w13_ptr + e.to(tl.int64) * (2 * I * HW)
         s_e = s13_ptr + e.to(tl.int64) * (2 * I * HG)
         rg = nb * 8 + g  # gate row; its up row is I + rg
-        wg_p = w_e + rg * HW + u
-        wu_p = w_e + (I + rg) * HW + u
-        sg_p = s_e + rg * HG
-        su_p = s_e + (I + rg) * HG
-        acc_g0 = tl.zeros([W, 32], dtype=tl.float32)
-        acc_g1 = tl.zeros([W, 32], dtype=tl.float32)
-        acc_u0 = tl.zeros([W, 32], dtype=tl.float32)
-        acc_u1 = tl.zeros([W, 32], dtype=tl.float32)
+        m0 = wi * GPW  # this warp's first group
+        bp = xq_ptr.to(tl.pointer_type(tl.int32)) + col_tok * (H // 2) + u * 4 + m0 * 16
+        wg_p = w_e + rg * HW + u + m0 * 4
+        wu_p = w_e + (I + rg) * HW + u + m0 * 4
+        sg_p = s_e + rg * HG + m0
+        su_p = s_e + (I + rg) * HG + m0
+        acc_g0 = tl.zeros([32 * W], dtype=tl.float32)
+        acc_g1 = tl.zeros([32 * W], dtype=tl.float32)
+        acc_u0 = tl.zeros([32 * W], dtype=tl.float32)
+        acc_u1 = tl.zeros([32 * W], dtype=tl.float32)
         for c in tl.range(0, GPW, CH):
             ld = ()
             for i in tl.static_range(CH):
-                m = wi * GPW + c + i
-                bp = xb + m * 16
-                ld = ld + ((tl.load(wg_p + m * 4), tl.load(wu_p + m * 4), tl.load(sg_p + m), tl.load(su_p + m),
-                            tl.load(bp, mask=col_ok, other=0), tl.load(bp + 1, mask=col_ok, other=0),
-                            tl.load(bp + 2, mask=col_ok, other=0), tl.load(bp + 3, mask=col_ok, other=0)),)
+                ld = ld + ((tl.load(wg_p + i * 4), tl.load(wu_p + i * 4), tl.load(sg_p + i), tl.load(su_p + i),
+                            tl.load(bp + i * 16, mask=col_ok, other=0), tl.load(bp + i * 16 + 1, mask=col_ok, other=0),
+                            tl.load(bp + i * 16 + 2, mask=col_ok, other=0),
+                            tl.load(bp + i * 16 + 3, mask=col_ok, other=0)),)
+            wg_p += CH * 4
+            wu_p += CH * 4
+            sg_p += CH
+            su_p += CH
+            bp += CH * 16
             for i in tl.static_range(CH):
                 wg, wu, sg, su, b0, b1, b2, b3 = ld[i]
                 d0, d1, d2, d3 = _mma_group(wg, wu, b0, b1, b2, b3)
@@ -163,10 +168,10 @@ def mxfp4_moe_stage1_mma_kernel(
                 acc_u0 += d2 * fu
                 acc_u1 += d3 * fu
         # lane (g, t) now holds rows rg / I + rg for the tokens of columns 2t (…0) and 2t + 1 (…1)
-        gate0 = tl.sum(acc_g0, axis=0)
-        gate1 = tl.sum(acc_g1, axis=0)
-        up0 = tl.sum(acc_u0, axis=0)
-        up1 = tl.sum(acc_u1, axis=0)
+        gate0 = tl.sum(tl.reshape(acc_g0, [W, 32]), axis=0)
+        gate1 = tl.sum(tl.reshape(acc_g1, [W, 32]), axis=0)
+        up0 = tl.sum(tl.reshape(acc_u0, [W, 32]), axis=0)
+        up1 = tl.sum(tl.reshape(acc_u1, [W, 32]), axis=0)
         g1 = sl // 4
         t1 = sl % 4
         lim = tl.where(limit > 0, limit, float("inf"))
