@@ -8,7 +8,8 @@ With --prefill N it profiles the prefill of an N-token prompt instead (eager, as
 With --timeline it traces replays of the graphed decode step and prints, per kernel, its count and
 time inside the graph, and how much of the step no kernel was running (the gaps PDL cannot hide).
 With --draft it does the same for a greedy MTP draft of 3 tokens (one graph), each kernel in order.
-With --switch NAME it alternates one environment switch on and off, timing the graphed step each time.
+With --switch NAME it alternates one environment switch on and off (NAME=VALUE: VALUE and 0), timing the
+graphed step each time.
 With --ab it times the graphed decode step with programmatic dependent launch (kernels/pdl.py), the
 shared expert's side stream (engine/streams.py) and the MoE's bf16x2 products (kernels/mxfp4_moe.py)
 all on, each off alone, and all off.
@@ -215,8 +216,9 @@ def alternate(model, state: ConversationState, name: str, rounds: int = 3) -> No
     """The graphed step with one switch on, off, on, off...: a change's effect without machine drift."""
     import os
 
+    name, _, on = name.partition("=")  # NAME=VALUE alternates VALUE and 0
     for _ in range(rounds):
-        for value in ("1", "0"):
+        for value in (on or "1", "0"):
             os.environ[name] = value
             fastpath.install(model, linears=True, experts=True, head=True)
             print(f"{name}={value}  graph decode step: {graph_step_ms(model, state):.3f} ms, "
