@@ -151,7 +151,7 @@ def fma_gemv(arch: int, T: int, N: int, K: int, cfg=None) -> tuple[object, float
     split = g._split_for(K, bk, cfg.split)
     cx = dict(T=T, N=N, K=K, BN=cfg.bn, RS=cfg.rs, BK=bk, UNROLL=cfg.unroll, SCALE=0, OUT=0 if split == 1 else 3,
               SPLIT=split, PREFETCH=cfg.prefetch, ROW_ACC=cfg.row_acc, XS=0, XU=0, X_SWIGLU=False, PDL=True,
-              KACC=g._kacc(cfg, bk), PIPE=cfg.pipe)
+              KACC=g._kacc(cfg, bk))
     return compile_kernel(g.fp8_gemv_kernel, _GEMV_SIG, cx, cfg.warps, arch), cfg.bn * cfg.rs * bk / (32 * cfg.warps)
 
 

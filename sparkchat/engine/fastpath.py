@@ -159,10 +159,6 @@ def install(model, *, linears: bool, experts: bool, head: bool) -> None:
     from sparkchat.engine.nn import moe
     from sparkchat.engine.nn.ops import ops
 
-    if torch.cuda.is_available():
-        from sparkchat.engine.kernels import carveout
-
-        carveout.sync()
     if linears:
         from sparkchat.engine.kernels.router import route
 

@@ -139,7 +139,6 @@ def fp8_gemv_kernel(
     cnt_ptr=None, res_ptr=None, nw_ptr=None, s_out_ptr=None, h_ptr=None, ssq_ptr=None, eps=0.0,
     h16_ptr=None, hd_ptr=None, F16: tl.constexpr = False, hx_ptr=None, MOE_X: tl.constexpr = False,
     INTERPRET: tl.constexpr = False,
-    PIPE: tl.constexpr = 0,  # > 0: k steps in flight through shared memory (GemvConfig.pipe)
 ):
     """Rows [pid*RS*BN, +RS*BN) of y = x @ w.T for T tokens, over this program's share of K. The
     program holds RS row tiles of [BN, BK] fp8 per k step; each token's activation chunk is loaded
@@ -178,13 +177,6 @@ def fp8_gemv_kernel(
             accs = _gemv_step(accs, ws, xs, T, RS, ROW_ACC, KACC)
             ws = ws_n
             xs = xs_n
-    elif PIPE > 0:
-        # Triton's pipeliner keeps PIPE - 1 later k steps in flight through shared memory (cp.async)
-        accs = _gemv_step(accs, ws, xs, T, RS, ROW_ACC, KACC)
-        for kb in tl.range(BK, KS, BK, num_stages=PIPE):
-            ws, xs = _gemv_loads(x_ptr, w_ptr, s_ptr, r0, k_lo + kb, sub, kk, T, N, K, KB, BN, RS, EVEN_N, EVEN_K,
-                                 SCALE, XSTRIDE, XU, X_SWIGLU, lim)
-            accs = _gemv_step(accs, ws, xs, T, RS, ROW_ACC, KACC)
     else:
         accs = _gemv_step(accs, ws, xs, T, RS, ROW_ACC, KACC)
         for kb in tl.range(BK, KS, BK, loop_unroll_factor=UNROLL):
@@ -476,7 +468,6 @@ class GemvConfig:
     mma: bool = False  # fp8_mma_kernel: bn rows x 16 tokens tensor-core tiles (bk ≤ 128 with block scales)
     stages: int = 3  # mma: k steps of weights in flight
     kacc: int = 0  # FMA kernel, > 0: [bn, kacc] accumulators, each thread summing its own bk/kacc columns first
-    pipe: int = 0  # FMA kernel, > 0: Triton's pipeliner keeps pipe - 1 k steps in flight (cp.async, shared memory)
 
 
 # Best measured on the H200 at the Ling-3.0-flash shapes, by (kind, T, N, K); docs/benchmarks.md has
@@ -597,7 +588,7 @@ def _gemv(x, w, s, y, pmax, pidx, scale_kind: int, out_kind: int, cfg: GemvConfi
     assert 128 % (cfg.bn * cfg.rs) == 0, "bn * rs must divide the 128-row scale block"
     fp8_gemv_kernel[grid](x, w, s, y, pmax, pidx, T=T, N=N, K=K, BN=cfg.bn, RS=cfg.rs, BK=bk, UNROLL=cfg.unroll,
                           SCALE=scale_kind, OUT=out_kind, SPLIT=split, PREFETCH=cfg.prefetch, ROW_ACC=cfg.row_acc,
-                          KACC=_kacc(cfg, bk), PIPE=cfg.pipe, num_warps=cfg.warps, **extra, **pdl_args(x.device))
+                          KACC=_kacc(cfg, bk), num_warps=cfg.warps, **extra, **pdl_args(x.device))
 
 
 def _kacc(cfg: GemvConfig, bk: int) -> int:

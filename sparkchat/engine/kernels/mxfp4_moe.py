@@ -330,58 +330,48 @@ def _decode(ws, ss, R: tl.constexpr, PAIRED: tl.constexpr):
 def _stream(accs, w_e, s_e, row0s, row_stride, srow_stride, KW: tl.constexpr, x_ptr, x_offs, valid,
             BN: tl.constexpr, BKW: tl.constexpr, R: tl.constexpr, NT: tl.constexpr, SKIP: tl.constexpr,
             UNROLL: tl.constexpr, PREFETCH: tl.constexpr, WAIT: tl.constexpr, PACKED: tl.constexpr,
-            INTERPRET: tl.constexpr, PAIRED: tl.constexpr, XPACKED: tl.constexpr = False, STAGES: tl.constexpr = 0):
+            INTERPRET: tl.constexpr, PAIRED: tl.constexpr, XPACKED: tl.constexpr = False):
     """The k loop over KW words per row. PACKED: products in bf16x2 (_word_dot; one token only).
-    STAGES > 0 (with PACKED): Triton's pipeliner keeps STAGES - 1 k steps of words and scales in flight
-    through shared memory (cp.async, sm_80 and newer), where PREFETCH holds one step in registers; the
-    PDL wait then comes before the first load.
     PREFETCH: software-pipelined by one step (step k+1's weight and scale loads, and without PACKED its
     activation loads, are issued before step k is decoded and multiplied). WAIT: pdl_wait
     between the first step's weight loads and its first activation load (kernels/pdl.py). PAIRED: the
     words are in paired order (kernels/mxfp4_layout.py). XPACKED (with PACKED): x_ptr holds int32 words
     of bf16x2 activations (_pack_x)."""
     kw = _perm4(tl.arange(0, BKW))
-    if PACKED and STAGES > 0:
-        pdl_wait(WAIT)
+    ws, ss = _load_tiles(w_e, s_e, row0s, row_stride, srow_stride, 0, BN, BKW, R)
+    pdl_wait(WAIT)
+    if PACKED:  # one token (NT = 1), bf16x2 products: see _WORD_DOT_ASM
         base = x_ptr + x_offs[0]
-        for k0 in tl.range(0, KW, BKW, num_stages=STAGES):
-            ws, ss = _load_tiles(w_e, s_e, row0s, row_stride, srow_stride, k0, BN, BKW, R)
-            accs = _packed_step(accs, ws, ss, base, (k0 + kw) * 8, R, INTERPRET, PAIRED, XPACKED)
-    else:
-        ws, ss = _load_tiles(w_e, s_e, row0s, row_stride, srow_stride, 0, BN, BKW, R)
-        pdl_wait(WAIT)
-        if PACKED:  # one token (NT = 1), bf16x2 products: see _WORD_DOT_ASM
-            base = x_ptr + x_offs[0]
-            if PREFETCH:
-                for k0 in tl.range(0, KW, BKW, loop_unroll_factor=UNROLL):
-                    kn = tl.minimum(k0 + BKW, KW - BKW)  # the last step re-reads its own words (cache hits)
-                    ws_n, ss_n = _load_tiles(w_e, s_e, row0s, row_stride, srow_stride, kn, BN, BKW, R)
-                    accs = _packed_step(accs, ws, ss, base, (k0 + kw) * 8, R, INTERPRET, PAIRED, XPACKED)
-                    ws = ws_n
-                    ss = ss_n
-            else:
-                accs = _packed_step(accs, ws, ss, base, kw * 8, R, INTERPRET, PAIRED, XPACKED)
-                for k0 in tl.range(BKW, KW, BKW, loop_unroll_factor=UNROLL):
-                    ws, ss = _load_tiles(w_e, s_e, row0s, row_stride, srow_stride, k0, BN, BKW, R)
-                    accs = _packed_step(accs, ws, ss, base, (k0 + kw) * 8, R, INTERPRET, PAIRED, XPACKED)
-        elif PREFETCH:
-            xs = _load_x(x_ptr, x_offs, valid, kw * 8, NT)
+        if PREFETCH:
             for k0 in tl.range(0, KW, BKW, loop_unroll_factor=UNROLL):
                 kn = tl.minimum(k0 + BKW, KW - BKW)  # the last step re-reads its own words (cache hits)
                 ws_n, ss_n = _load_tiles(w_e, s_e, row0s, row_stride, srow_stride, kn, BN, BKW, R)
-                xs_n = _load_x(x_ptr, x_offs, valid, (kn + kw) * 8, NT)
-                cs, scs = _decode(ws, ss, R, PAIRED)
-                accs = _fma_tokens(accs, cs, scs, xs, x_ptr, x_offs, kw, valid, NT, R, SKIP, True)
+                accs = _packed_step(accs, ws, ss, base, (k0 + kw) * 8, R, INTERPRET, PAIRED, XPACKED)
                 ws = ws_n
                 ss = ss_n
-                xs = xs_n
         else:
-            cs, scs = _decode(ws, ss, R, PAIRED)
-            accs = _fma_tokens(accs, cs, scs, (), x_ptr, x_offs, kw * 8, valid, NT, R, SKIP, False)
+            accs = _packed_step(accs, ws, ss, base, kw * 8, R, INTERPRET, PAIRED, XPACKED)
             for k0 in tl.range(BKW, KW, BKW, loop_unroll_factor=UNROLL):
                 ws, ss = _load_tiles(w_e, s_e, row0s, row_stride, srow_stride, k0, BN, BKW, R)
-                cs, scs = _decode(ws, ss, R, PAIRED)
-                accs = _fma_tokens(accs, cs, scs, (), x_ptr, x_offs, (k0 + kw) * 8, valid, NT, R, SKIP, False)
+                accs = _packed_step(accs, ws, ss, base, (k0 + kw) * 8, R, INTERPRET, PAIRED, XPACKED)
+    elif PREFETCH:
+        xs = _load_x(x_ptr, x_offs, valid, kw * 8, NT)
+        for k0 in tl.range(0, KW, BKW, loop_unroll_factor=UNROLL):
+            kn = tl.minimum(k0 + BKW, KW - BKW)  # the last step re-reads its own words (cache hits)
+            ws_n, ss_n = _load_tiles(w_e, s_e, row0s, row_stride, srow_stride, kn, BN, BKW, R)
+            xs_n = _load_x(x_ptr, x_offs, valid, (kn + kw) * 8, NT)
+            cs, scs = _decode(ws, ss, R, PAIRED)
+            accs = _fma_tokens(accs, cs, scs, xs, x_ptr, x_offs, kw, valid, NT, R, SKIP, True)
+            ws = ws_n
+            ss = ss_n
+            xs = xs_n
+    else:
+        cs, scs = _decode(ws, ss, R, PAIRED)
+        accs = _fma_tokens(accs, cs, scs, (), x_ptr, x_offs, kw * 8, valid, NT, R, SKIP, False)
+        for k0 in tl.range(BKW, KW, BKW, loop_unroll_factor=UNROLL):
+            ws, ss = _load_tiles(w_e, s_e, row0s, row_stride, srow_stride, k0, BN, BKW, R)
+            cs, scs = _decode(ws, ss, R, PAIRED)
+            accs = _fma_tokens(accs, cs, scs, (), x_ptr, x_offs, (k0 + kw) * 8, valid, NT, R, SKIP, False)
     return accs
 
 
@@ -429,7 +419,6 @@ def mxfp4_moe_stage1_kernel(
     NT: tl.constexpr, K_PAD: tl.constexpr, S_PAD: tl.constexpr, DEDUPE: tl.constexpr, PREFETCH: tl.constexpr,
     PACKED: tl.constexpr = False, INTERPRET: tl.constexpr = False, PDL: tl.constexpr = False,
     PAIRED: tl.constexpr = False, ACT_PACKED: tl.constexpr = False, X_PACKED: tl.constexpr = False,
-    STAGES: tl.constexpr = 0,
 ):
     """ACT_PACKED: act_ptr is bf16, written as _store_act_packed lays it out for stage 2 (PACKED only).
     X_PACKED (PACKED only): x_ptr is int32 [T, H/2], x already as the bf16x2 words _pack_x builds
@@ -457,8 +446,7 @@ def mxfp4_moe_stage1_kernel(
         for r in tl.static_range(R):
             row0s = row0s + (nb * (RS * BN) + (r // 2) * BN + (r % 2) * I,)  # even r: gate rows, odd r: up rows
         accs = _stream(_zeros(NT * R, BN, BKW), w_e, s_e, row0s, HW, HG, HW, x_ptr, x_offs, valid,
-                       BN, BKW, R, NT, DEDUPE, UNROLL, PREFETCH, False, PACKED, INTERPRET, PAIRED, X_PACKED,
-                       STAGES)
+                       BN, BKW, R, NT, DEDUPE, UNROLL, PREFETCH, False, PACKED, INTERPRET, PAIRED, X_PACKED)
         lim = tl.where(limit > 0, limit, float("inf"))
         for t in tl.static_range(NT):
             out = act_ptr + slots[t] * I + nb * (RS * BN) + sub
@@ -481,7 +469,7 @@ def mxfp4_moe_stage2_kernel(
     BN: tl.constexpr, RS: tl.constexpr, BKW: tl.constexpr, UNROLL: tl.constexpr,
     NT: tl.constexpr, K_PAD: tl.constexpr, S_PAD: tl.constexpr, DEDUPE: tl.constexpr, PREFETCH: tl.constexpr,
     PACKED: tl.constexpr = False, INTERPRET: tl.constexpr = False, PDL: tl.constexpr = False,
-    PAIRED: tl.constexpr = False, ACT_PACKED: tl.constexpr = False, STAGES: tl.constexpr = 0,
+    PAIRED: tl.constexpr = False, ACT_PACKED: tl.constexpr = False,
 ):
     """With PDL, the expert ids (written by the router, two or more kernels back) and the first step's
     weights are read before pdl_wait: the down weights start streaming during stage 1's tail.
@@ -508,8 +496,7 @@ def mxfp4_moe_stage2_kernel(
         for r in tl.static_range(RS):
             row0s = row0s + (nb * (RS * BN) + r * BN,)
         accs = _stream(_zeros(NT * RS, BN, BKW), w_e, s_e, row0s, IW, IG, IW, act_ptr, a_offs, valid,
-                       BN, BKW, RS, NT, DEDUPE, UNROLL, PREFETCH, PDL, PACKED, INTERPRET, PAIRED, ACT_PACKED,
-                       STAGES)
+                       BN, BKW, RS, NT, DEDUPE, UNROLL, PREFETCH, PDL, PACKED, INTERPRET, PAIRED, ACT_PACKED)
         for t in tl.static_range(NT):
             out = part_ptr + slots[t] * H + rows
             for r in tl.static_range(RS):
@@ -549,21 +536,14 @@ class MoeConfig:
     prefetch: bool = False  # one-step software pipelining of the k loop
     packed: bool = False  # bf16x2 products (_WORD_DOT_ASM); one token per program, so not with dedupe
     packed_act: bool = False  # stage 1 writes act as stage 2's bf16x2 words (ignored unless packed)
-    stages1: int = 0  # > 0 (packed only): k steps of stage 1's weights in flight through shared memory
-    stages2: int = 0  # the same for stage 2
 
 
 # Best measured on the H200 at the Ling-3.0-flash shape (H=2560, I=768, K=8); see docs/benchmarks.md.
 _TUNED: dict[tuple[int, int, int], MoeConfig] = {
-    (1, 2560, 768): MoeConfig(bn1=16, rs1=1, bkw1=32, unroll1=2, warps1=4, bn2=32, rs2=1, bkw2=32, warps2=4,
-                              prefetch=True, stages1=8),
-    (4, 2560, 768): MoeConfig(bn1=4, rs1=1, bkw1=32, unroll1=2, warps1=1, bn2=8, rs2=1, bkw2=32, warps2=1,
-                              dedupe=False),
-}
-
-_TUNED_BEFORE_STAGES = {
     (1, 2560, 768): MoeConfig(bn1=16, rs1=1, bkw1=64, unroll1=2, warps1=4, bn2=32, rs2=1, bkw2=32, warps2=4,
                               prefetch=True),
+    (4, 2560, 768): MoeConfig(bn1=4, rs1=1, bkw1=32, unroll1=2, warps1=1, bn2=8, rs2=1, bkw2=32, warps2=1,
+                              dedupe=False),
 }
 
 
@@ -575,9 +555,6 @@ def moe_config(T: int, H: int, I: int) -> MoeConfig:
     already as bf16x2 words (`packed_act`); SPARKCHAT_MOE_PACKED=0 / SPARKCHAT_MOE_PACKED_ACT=0 turn
     those off."""
     cfg = _TUNED.get((T, H, I)) or (MoeConfig() if T == 1 else MoeConfig(dedupe=False))
-    if os.environ.get("SPARKCHAT_MOE_STAGES", "1") == "0":  # the register-held k loop of sessions 1-17
-        old = _TUNED_BEFORE_STAGES.get((T, H, I))
-        cfg = old if old is not None else replace(cfg, stages1=0, stages2=0)
     one_token = T == 1 or not cfg.dedupe
     packed = one_token and os.environ.get("SPARKCHAT_MOE_PACKED", "1") != "0"
     # packed activations: H200, 2026-12-03, one-token step -0.02..-0.045 ms, 4-token verify -0.09 ms
@@ -730,9 +707,8 @@ def _plan(T: int, K: int, H: int, inter: int, cfg: MoeConfig, paired: bool = Fal
         grid1=(T * K, inter // (bn1 * rs1)),
         grid2=(H // (bn2 * rs2), T * K),
         meta1=dict(common, BN=bn1, RS=rs1, BKW=bkw1, UNROLL=cfg.unroll1, num_warps=cfg.warps1,
-                   X_PACKED=x_packed and cfg.packed, STAGES=cfg.stages1 if cfg.packed else 0),
-        meta2=dict(common, BN=bn2, RS=rs2, BKW=bkw2, UNROLL=cfg.unroll2, num_warps=cfg.warps2,
-                   STAGES=cfg.stages2 if cfg.packed else 0),
+                   X_PACKED=x_packed and cfg.packed),
+        meta2=dict(common, BN=bn2, RS=rs2, BKW=bkw2, UNROLL=cfg.unroll2, num_warps=cfg.warps2),
     )
 
 
