@@ -46,6 +46,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=1, help="--timeline: a verify of this many tokens instead")
     ap.add_argument("--draft", action="store_true", help="each kernel of a greedy 3-draft chain (MTP)")
     ap.add_argument("--switch", default=None, help="time the graphed step with this env switch 1/0 alternated")
+    ap.add_argument("--rounds", type=int, default=3, help="--switch: rounds of on, off")
     ap.add_argument("--ab", action="store_true", help="time PDL, the side stream and packed MoE products on and off")
     ap.add_argument("--knockout", action="store_true", help="time the step without the shared expert / router")
     ap.add_argument("--loop-switch", default=None, help="alternate this env switch 1/0 in the real MTP loop")
@@ -61,7 +62,7 @@ def main() -> None:
         compare_overlap(model, state)
         return
     if args.switch:
-        alternate(model, state, args.switch)
+        alternate(model, state, args.switch, args.rounds)
         return
     if args.knockout:
         knockout(model, state)
