@@ -520,39 +520,6 @@ def mxfp4_moe_stage2_kernel(
         tl.store(cnt_ptr + nb, 0)  # ready for the next launch
 
 
-@triton.jit
-def mxfp4_moe_down_by_token_kernel(
-    act_ptr, ids_ptr, w2_ptr, s2_ptr, y_ptr, add_ptr,
-    T: tl.constexpr, K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, HAS_ADD: tl.constexpr,
-    BN: tl.constexpr, BKW: tl.constexpr, UNROLL: tl.constexpr, PREFETCH: tl.constexpr,
-    PACKED: tl.constexpr = False, INTERPRET: tl.constexpr = False, PDL: tl.constexpr = False,
-    PAIRED: tl.constexpr = False, ACT_PACKED: tl.constexpr = False,
-):
-    """Stage 2 without partials: program (row block, token t) streams the BN down-projection rows of
-    each of t's K experts in slot order and sums them in registers — the very per-slot sums, added in
-    the very order, of mxfp4_moe_stage2_kernel with the same BN, BKW and warps (so the same bf16
-    output), with no partial buffer, no arrival counter and no program left to sum after the others."""
-    nb = tl.program_id(0)
-    t = tl.program_id(1)
-    IW: tl.constexpr = I // 8
-    IG: tl.constexpr = I // 32
-    rows = nb * BN + tl.arange(0, BN)
-    y = tl.zeros([BN], dtype=tl.float32)
-    for k in tl.static_range(K):
-        s = t * K + k
-        e = tl.load(ids_ptr + s).to(tl.int32)  # the router's, two or more kernels back: before the wait
-        w_e = w2_ptr + e.to(tl.int64) * (H * IW)
-        s_e = s2_ptr + e.to(tl.int64) * (H * IG)
-        accs = _stream(_zeros(1, BN, BKW), w_e, s_e, (nb * BN,), IW, IG, IW, act_ptr,
-                       (s * (I // 2 if ACT_PACKED else I),), (e >= 0,), BN, BKW, 1, 1, False, UNROLL, PREFETCH,
-                       PDL and k == 0, PACKED, INTERPRET, PAIRED, ACT_PACKED)
-        y += tl.sum(accs[0], axis=1)
-    y = y.to(tl.bfloat16)
-    if HAS_ADD:  # the shared expert's output, added as torch adds two bf16 tensors
-        y = (y.to(tl.float32) + tl.load(add_ptr + t * H + rows).to(tl.float32)).to(tl.bfloat16)
-    tl.store(y_ptr + t * H + rows, y)
-
-
 @dataclass(frozen=True)
 class MoeConfig:
     bn1: int = 16  # gate rows per stage-1 word tile (plus as many up rows)
@@ -569,7 +536,6 @@ class MoeConfig:
     prefetch: bool = False  # one-step software pipelining of the k loop
     packed: bool = False  # bf16x2 products (_WORD_DOT_ASM); one token per program, so not with dedupe
     packed_act: bool = False  # stage 1 writes act as stage 2's bf16x2 words (ignored unless packed)
-    by_token2: bool = False  # stage 2 as mxfp4_moe_down_by_token_kernel: a program per (row block, token)
 
 
 # Best measured on the H200 at the Ling-3.0-flash shape (H=2560, I=768, K=8); see docs/benchmarks.md.
@@ -577,7 +543,7 @@ _TUNED: dict[tuple[int, int, int], MoeConfig] = {
     (1, 2560, 768): MoeConfig(bn1=16, rs1=1, bkw1=64, unroll1=2, warps1=4, bn2=32, rs2=1, bkw2=32, warps2=4,
                               prefetch=True),
     (4, 2560, 768): MoeConfig(bn1=4, rs1=1, bkw1=32, unroll1=2, warps1=1, bn2=8, rs2=1, bkw2=32, warps2=1,
-                              dedupe=False, by_token2=True),
+                              dedupe=False),
 }
 
 
@@ -589,8 +555,6 @@ def moe_config(T: int, H: int, I: int) -> MoeConfig:
     already as bf16x2 words (`packed_act`); SPARKCHAT_MOE_PACKED=0 / SPARKCHAT_MOE_PACKED_ACT=0 turn
     those off."""
     cfg = _TUNED.get((T, H, I)) or (MoeConfig() if T == 1 else MoeConfig(dedupe=False))
-    if os.environ.get("SPARKCHAT_MOE_BY_TOKEN", "1") == "0":
-        cfg = replace(cfg, by_token2=False)
     one_token = T == 1 or not cfg.dedupe
     packed = one_token and os.environ.get("SPARKCHAT_MOE_PACKED", "1") != "0"
     # packed activations: H200, 2026-12-03, one-token step -0.02..-0.045 ms, 4-token verify -0.09 ms
@@ -719,7 +683,6 @@ class _Plan:
     grid2: tuple
     meta1: dict
     meta2: dict
-    by_token: bool = False  # stage 2 is mxfp4_moe_down_by_token_kernel
 
     def stage1(self, x, ids, rw, w13_i32, s13, act, limit: float) -> None:
         act = act.view(torch.bfloat16) if self.meta1["ACT_PACKED"] else act  # the fp32 workspace, reused
@@ -727,11 +690,6 @@ class _Plan:
 
     def stage2(self, act, ids, w2_i32, s2, part, count, out, add=None) -> None:
         act = act.view(torch.int32) if self.meta2["ACT_PACKED"] else act
-        if self.by_token:
-            meta = {k: v for k, v in self.meta2.items() if k not in ("RS", "NT", "K_PAD", "S_PAD", "DEDUPE")}
-            mxfp4_moe_down_by_token_kernel[self.grid2](act, ids, w2_i32, s2, out, out if add is None else add,
-                                                       HAS_ADD=add is not None, **meta, **pdl_args(act.device))
-            return
         mxfp4_moe_stage2_kernel[self.grid2](act, ids, w2_i32, s2, part, count, out, out if add is None else add,
                                             HAS_ADD=add is not None, **self.meta2, **pdl_args(act.device))
 
@@ -745,13 +703,9 @@ def _plan(T: int, K: int, H: int, inter: int, cfg: MoeConfig, paired: bool = Fal
     common = dict(T=T, K=K, H=H, I=inter, NT=_pow2(T) if dedupe else 1, K_PAD=_pow2(K), S_PAD=_pow2(T * K),
                   DEDUPE=dedupe, PREFETCH=cfg.prefetch, PACKED=cfg.packed, INTERPRET=_interpreting(), PAIRED=paired,
                   ACT_PACKED=cfg.packed and cfg.packed_act)  # it feeds the bf16x2 stage 2 only
-    by_token = cfg.by_token2 and not dedupe
-    if by_token:
-        rs2 = 1
     return _Plan(
-        by_token=by_token,
         grid1=(T * K, inter // (bn1 * rs1)),
-        grid2=(H // bn2, T) if by_token else (H // (bn2 * rs2), T * K),
+        grid2=(H // (bn2 * rs2), T * K),
         meta1=dict(common, BN=bn1, RS=rs1, BKW=bkw1, UNROLL=cfg.unroll1, num_warps=cfg.warps1,
                    X_PACKED=x_packed and cfg.packed),
         meta2=dict(common, BN=bn2, RS=rs2, BKW=bkw2, UNROLL=cfg.unroll2, num_warps=cfg.warps2),
