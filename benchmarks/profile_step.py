@@ -296,12 +296,12 @@ def profile_prefill(model, state: ConversationState, n: int) -> None:
 
     dec = Decoder(model, state)
     prompt = [(7 * i) % 1000 + 5 for i in range(n)]
-    dec.forward(prompt[:64])  # warm-up: compilation and lazy initialisation
+    dec.forward(prompt[:64], last_logits=True)  # warm-up: compilation and lazy initialisation
     state.token_ids = []
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        dec.forward(prompt)
+        dec.forward(prompt, last_logits=True)  # as generate_tokens runs a prompt
         torch.cuda.synchronize()
     wall = time.perf_counter() - t0
     events = prof.key_averages()

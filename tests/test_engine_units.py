@@ -140,6 +140,21 @@ def test_absorbed_mla_equals_expanded():
     assert torch.allclose(run(True), run(False), atol=1e-5)
 
 
+@pytest.mark.parametrize("start,T,attend", [(0, 7, 7), (5, 4, 9), (3, 2, 16)], ids=["from-0", "second-turn", "bucket"])
+def test_prefill_attention_equals_explicit_softmax(start, T, attend):
+    """The prompt's MLA attention (causal from position 0, masked after it, stale rows past the span
+    masked) equals softmax(q k^T / sqrt) v written out, with q/k and v head sizes that differ."""
+    from sparkchat.engine.nn.mla import prefill_attention
+
+    g = torch.Generator().manual_seed(start + T)
+    q, k, v = torch.randn(3, T, 24, generator=g), torch.randn(3, attend, 24, generator=g), torch.randn(3, attend, 16, generator=g)
+    span = Span.contiguous(start, T, "cpu") if attend == start + T else Span(torch.arange(start, start + T), attend)
+    scores = (q @ k.transpose(1, 2)) * 0.3
+    seen = torch.arange(attend)[None, :] <= span.pos[:, None]
+    want = torch.softmax(scores.masked_fill(~seen, float("-inf")), dim=-1) @ v
+    assert torch.allclose(prefill_attention(q, k, v, span, 0.3), want, atol=1e-5)
+
+
 def test_second_turn_prefills_only_new_tokens_and_matches_full_prefill(tiny):
     model, cfg = _load(tiny)
     g = torch.Generator().manual_seed(2)

@@ -342,9 +342,10 @@ def _loop_cycle(model: LingModel, state: ConversationState, context: int, k: int
 def _prefill_time(model: LingModel, n: int, device: torch.device) -> float:
     ids = torch.randint(0, model.cfg.vocab_size, (n,), device=device)
 
-    def once():
+    def once():  # what a prompt costs before its first token: every layer, then the head at its last position
         state = ConversationState.allocate(model.cfg, n + 8, device, model.embed.dtype)
-        model(ids, 0, state)
+        hidden, _ = model(ids, 0, state)
+        model.lm_head(hidden[-1:])
 
     return _median_time(once, device, iters=2)
 

@@ -61,11 +61,12 @@ class Decoder:
         self._drafts: torch.Tensor | None = None
 
     # -- the target model ---------------------------------------------------------------------
-    def forward(self, ids: list[int], keep_steps: bool = False,
-                tail: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    def forward(self, ids: list[int], keep_steps: bool = False, tail: torch.Tensor | None = None,
+                last_logits: bool = False) -> tuple[torch.Tensor, torch.Tensor, dict]:
         """Run `ids` (then `tail`, ids still on the device) at the next positions; returns (hidden [T, H],
         logits [T, V] fp32, kept KDA steps). The state's token list is NOT extended here: callers commit
-        what they keep."""
+        what they keep. `last_logits`: a prompt needs only its last position's logits — the head over
+        every prompt token would be 2.6 GB of fp32 logits per 4K tokens (and the head's compute)."""
         start = self.state.length
         n = len(ids) + (0 if tail is None else tail.shape[0])
         if self.graphs is not None and n <= self.GRAPH_MAX_TOKENS:
@@ -79,7 +80,7 @@ class Decoder:
         hidden, kept = self.model(x, start, self.state, keep_steps=keep_steps, span=self._span(start, len(ids)))
         if self.state.hidden.numel():
             self.state.hidden[start:start + len(ids)] = hidden
-        return hidden, self.model.lm_head(hidden), kept
+        return hidden, self.model.lm_head(hidden[-1:] if last_logits else hidden), kept
 
     def _span(self, start: int, count: int) -> Span | None:
         """On CUDA, short steps attend over a fixed bucket of cache rows, as the graphs do: compiled code
@@ -236,7 +237,7 @@ def generate_tokens(model: LingModel, state: ConversationState, new_ids: list[in
     spec = _SpecCounters(per_position=[0] * draft_steps)
     t0 = time.perf_counter()
 
-    _, logits, _ = dec.forward(new_ids)
+    _, logits, _ = dec.forward(new_ids, last_logits=True)
     dec.commit(new_ids)
     pending = int(sample(logits[-1:], params, gen)[0])
     _sync(device)
