@@ -56,6 +56,21 @@ def graph_us(calls, reps: int = 25) -> float:
     return statistics.median(times)
 
 
+def eager_us(fn, reps: int) -> float:
+    """Median microseconds of `fn` launched eagerly (CUDA events around each call), after one warm-up call."""
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(times)
+
+
 def measure_read_bw() -> dict:
     n = 1 << 30  # 4 GiB of fp32
     big = torch.empty(n, dtype=torch.float32, device="cuda").uniform_()
@@ -237,19 +252,6 @@ def bench_moe_prefill(rec: Recorder, layer, sweep: bool) -> dict:
     limit = 4.0
     experts = Experts(E, H, INTER, limit)
     experts.w13, experts.w13_scale, experts.w2, experts.w2_scale = w13, s13, w2, s2
-
-    def eager_us(fn, reps: int) -> float:
-        fn()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(reps):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) * 1e3)
-        return statistics.median(times)
 
     def timed_us(fn) -> float:
         try:

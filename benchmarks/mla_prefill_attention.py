@@ -12,29 +12,20 @@ succeed, and its relative error against the masked call.
 from __future__ import annotations
 
 import argparse
-import statistics
+import sys
 import warnings
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_kernels import eager_us  # noqa: E402
+
 H, DQK, DV = 32, 192, 128
-
-
-def timed(fn, iters: int = 5) -> float:
-    fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        out.append(a.elapsed_time(b))
-    return statistics.median(out)
 
 
 def main() -> None:
@@ -72,7 +63,7 @@ def main() -> None:
                     q, k, vp, is_causal=True, scale=scale)[..., :DV]
             print(f"T={T} start={start}:")
             for name, fn in forms.items():
-                ms = timed(fn)
+                ms = eager_us(fn, 5) / 1e3
                 err = ((fn().float() - want.float()).norm() / want.float().norm()).item()
                 picked = []
                 for be in (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION):
