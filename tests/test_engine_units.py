@@ -167,6 +167,25 @@ def test_second_turn_prefills_only_new_tokens_and_matches_full_prefill(tiny):
     assert torch.allclose(incremental, whole, atol=1e-4, rtol=1e-4)
 
 
+def test_a_prompt_sends_only_its_last_position_through_the_head(tiny):
+    """generate_tokens needs the prompt's last logits only: the head must not see every prompt row (on
+    the real vocabulary that is 0.6 MB of fp32 logits a prompt token), and the answer is the same."""
+    from sparkchat.engine.events import SamplingParams
+    from sparkchat.engine.generate import generate_tokens
+
+    model, cfg = _load(tiny)
+    prompt = torch.randint(0, cfg.vocab_size, (30,), generator=torch.Generator().manual_seed(4)).tolist()
+    rows: list[int] = []
+    real = model.lm_head.forward
+    model.lm_head.forward = lambda h, draft=False: rows.append(h.shape[0]) or real(h, draft)
+    out = [t for step in generate_tokens(model, _state(cfg), prompt, SamplingParams(max_tokens=3), set())
+           for t in step.tokens]
+    assert rows[0] == 1 and len(out) == 3
+    model.lm_head.forward = real
+    whole = model.lm_head(model(torch.tensor(prompt), 0, _state(cfg))[0])
+    assert out[0] == int(whole[-1].argmax())
+
+
 def test_engine_keeps_state_between_turns(tiny_model_dir):
     from sparkchat.engine.events import SamplingParams, Switches
     from sparkchat.engine.session import Engine
