@@ -1,6 +1,7 @@
 """MLA prefill attention at the Ling shape (32 heads, q/k 192 = 128 nope + 64 rope, v 128), bf16, on one GPU:
-the engine's 3-D boolean-mask SDPA call (which PyTorch can only run on its fp32 math path) against 4-D
-forms that it can send to a fused kernel.
+the 3-D boolean-mask SDPA call the engine made until session 18 (which PyTorch can only run on its fp32
+math path) against 4-D forms that it can send to a fused kernel (the engine now uses `is_causal` from
+position 0 and the 4-D mask otherwise: nn.mla.prefill_attention).
 
     python benchmarks/mla_prefill_attention.py [--tokens 8192] [--start 0 4096]
 
@@ -50,7 +51,7 @@ def main() -> None:
             vp = F.pad(v, (0, DQK - DV))
             bias = causal_lower_right(T, end)
             forms = {
-                "3-D, bool mask (the engine now)": lambda: F.scaled_dot_product_attention(
+                "3-D, bool mask (engine before)": lambda: F.scaled_dot_product_attention(
                     q[0], k[0], v[0], attn_mask=mask, scale=scale)[None],
                 "4-D, bool mask": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale),
                 "lower-right causal": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale),
