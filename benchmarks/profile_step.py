@@ -4,7 +4,9 @@
                                       | --draft | --switch NAME | --ab | --knockout
                                       | --loop-switch NAME]
 
-With --prefill N it profiles the prefill of an N-token prompt instead (eager, as the engine runs it).
+With --prefill N it profiles the prefill of an N-token prompt instead (eager, as the engine runs it);
+with --host as well, it profiles the host's Python instead (cProfile): where a short prompt's time
+goes when the GPU waits for launches.
 With --timeline it traces replays of the graphed decode step and prints, per kernel, its count and
 time inside the graph, and how much of the step no kernel was running (the gaps PDL cannot hide).
 With --draft it does the same for a greedy MTP draft of 3 tokens (one graph), each kernel in order.
@@ -42,6 +44,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=None)
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--prefill", type=int, default=0, help="profile an N-token prefill instead")
+    ap.add_argument("--host", action="store_true", help="--prefill: profile the host's Python (cProfile)")
     ap.add_argument("--timeline", action="store_true", help="per-kernel times inside the graphed step")
     ap.add_argument("--tokens", type=int, default=1, help="--timeline: a verify of this many tokens instead")
     ap.add_argument("--draft", action="store_true", help="each kernel of a greedy 3-draft chain (MTP)")
@@ -56,7 +59,7 @@ def main() -> None:
         enable_compile()
     model, state = fast_synthetic(args.layers, max(2048, 2 * args.prefill))
     if args.prefill:
-        profile_prefill(model, state, args.prefill)
+        profile_prefill(model, state, args.prefill, args.host)
         return
     if args.ab:
         compare_overlap(model, state)
@@ -291,14 +294,30 @@ def alternate_loop(model, state: ConversationState, name: str | None, rounds: in
     model.lm_head.set_draft_rows(None)
 
 
-def profile_prefill(model, state: ConversationState, n: int) -> None:
+def profile_prefill(model, state: ConversationState, n: int, host: bool = False) -> None:
     import time
 
     dec = Decoder(model, state)
     prompt = [(7 * i) % 1000 + 5 for i in range(n)]
-    dec.forward(prompt[:64], last_logits=True)  # warm-up: compilation and lazy initialisation
-    state.token_ids = []
+    for warm in (prompt[:64], prompt):  # compilation and lazy initialisation, at this length too
+        dec.forward(warm, last_logits=True)
+        state.reset()
     torch.cuda.synchronize()
+    if host:
+        import cProfile
+        import pstats
+
+        prof = cProfile.Profile()
+        t0 = time.perf_counter()
+        prof.enable()
+        dec.forward(prompt, last_logits=True)[1].argmax()
+        torch.cuda.synchronize()
+        prof.disable()
+        print(f"prefill of {n} tokens: {1000 * (time.perf_counter() - t0):.1f} ms under cProfile")
+        stats = pstats.Stats(prof)
+        stats.sort_stats("tottime").print_stats(30)
+        stats.sort_stats("cumulative").print_stats(45)
+        return
     t0 = time.perf_counter()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         dec.forward(prompt, last_logits=True)  # as generate_tokens runs a prompt

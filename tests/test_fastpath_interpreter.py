@@ -1,4 +1,4 @@
-"""The engine's Triton fast path (FP8 GEMV, MXFP4 MoE, router, KDA and MLA decode kernels) against its reference path, run
+"""The engine's Triton fast path (FP8 GEMV and prompt GEMM, MXFP4 MoE, router, KDA and MLA decode kernels) against its reference path, run
 through Triton's CPU interpreter: the same kernels the GPU runs, checked without a GPU. Skipped where
 Triton is not installed (CPU-only CI)."""
 
@@ -36,9 +36,14 @@ def logits():
     return torch.stack(out)
 
 ref = logits()
-gemv = fastpath._fp8_gemv()
+gemv, gemm = fastpath._fp8_gemv(), fastpath._fp8_gemm()
+prompt_rows = []
+def counted_gemm(x, w, s):
+    prompt_rows.append(x.shape[0])
+    return gemm(x, w, s)
 for lin in model.linears():
     lin.fast = gemv if lin.is_fp8 else None
+    lin.fast_prompt = counted_gemm if lin.is_fp8 else None
 from sparkchat.engine.kernels.kda_decode import kda_decode
 from sparkchat.engine.kernels.mla_decode import mla_decode_step
 from sparkchat.engine.nn.kda import KimiDeltaAttention
@@ -86,7 +91,8 @@ gap = ref.amax(-1) - ref.gather(-1, pick[:, None]).squeeze(-1)
 assert bool((gap <= 0.02 * ref.abs().amax(-1)).all()), gap
 assert any(l.fast is not None for l in model.linears())
 assert any(l.fast_add_norm is not None for l in model.linears())
-assert calls and max(calls) <= 8, calls  # the residual add + input norm of every layer after the first
+assert calls and max(calls) <= 8, calls
+assert prompt_rows and set(prompt_rows) == {len(prompt)}, prompt_rows  # the prompt's FP8 linears: the GEMM  # the residual add + input norm of every layer after the first
 assert all(m.experts.paired for m in model.modules() if isinstance(m, moe.MoE))
 assert any(packed_x), packed_x  # decode steps' MoE layers got their input packed by the norm before
 print("ok", rel)

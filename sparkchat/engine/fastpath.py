@@ -1,7 +1,8 @@
 """The GPU fast path: swap Triton kernels into a loaded model's hot spots, and back out again.
 
-- FP8 block-scaled linears (decode and verify windows) → `fp8_block_gemv`; an MLP's down projection
-  computes the SwiGLU of its gate|up input as it loads it (`fp8_block_gemv_swiglu`); an attention
+- FP8 block-scaled linears → `fp8_block_gemv` for decode and verify windows, `fp8_prompt_linear` for
+  prompts (an FP8 GEMM for short ones, a one-pass dequant + bf16 matmul for long ones); an MLP's down
+  projection computes the SwiGLU of its gate|up input as it loads it (`fp8_block_gemv_swiglu`); an attention
   layer's output projection does the residual add and RMSNorm after it (`fp8_block_gemv_add_norm`);
 - a layer input's residual add + RMSNorm (decode and verify windows) → `add_rms_norm`, a PDL kernel;
 - routed MXFP4 experts → `mxfp4_moe` (reads only the selected experts' 4-bit weights);
@@ -122,6 +123,22 @@ def _fp8_gemv() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Te
     return gemv
 
 
+def prompt_gemm_enabled() -> bool:
+    """A prompt's FP8 linears run through kernels/fp8_gemm.py unless SPARKCHAT_FP8_GEMM=0 (then each
+    weight is dequantized to bf16 in torch for a torch matmul on every prompt, the reference path)."""
+    return os.environ.get("SPARKCHAT_FP8_GEMM", "1") != "0"
+
+
+def _fp8_gemm() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+    from sparkchat.engine.kernels.fp8_gemm import fp8_prompt_linear
+
+    def gemm(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        return fp8_prompt_linear(x.reshape(-1, x.shape[-1]).contiguous(), w, scale).view(*lead, w.shape[0])
+
+    return gemm
+
+
 def _fp8_head() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
     from sparkchat.engine.kernels.fp8_gemv import fp8_head_gemv
 
@@ -166,8 +183,13 @@ def install(model, *, linears: bool, experts: bool, head: bool) -> None:
     elif ops.route is not moe.route and getattr(ops.route, "__module__", "").endswith("kernels.router"):
         ops.route = moe.route
     gemv = _fp8_gemv() if linears else None
+    gemm = _fp8_gemm() if linears and prompt_gemm_enabled() else None
     for lin in model.linears():
-        lin.fast = gemv if lin.is_fp8 and lin.weight.is_cuda else None
+        on_gpu = lin.is_fp8 and lin.weight.is_cuda
+        lin.fast = gemv if on_gpu else None
+        # the kernel takes fp32 block scales [ceil(N/128), ceil(K/128)] (what the loader makes)
+        blocks = on_gpu and lin.block == (128, 128) and lin.weight_scale_inv.dtype == torch.float32
+        lin.fast_prompt = gemm if blocks and lin.weight.is_contiguous() else None
     from sparkchat.engine.nn.kda import KimiDeltaAttention
     from sparkchat.engine.nn.mla import MultiLatentAttention
 

@@ -63,6 +63,7 @@ import triton
 import triton.language as tl
 
 from sparkchat.engine.kernels.device import max_shared_memory
+from sparkchat.engine.kernels.mma_tiles import mma, per_col, per_row, to_bf16, zeros_acc
 
 
 # ---------------------------------------------------------------------------------------------- kernels
@@ -110,63 +111,6 @@ def _tile(w, sb, BN: tl.constexpr, BK: tl.constexpr, PAIRED: tl.constexpr):
 
 
 @triton.jit
-def _mma(a, w, acc, SWAP: tl.constexpr, INTERPRET: tl.constexpr):
-    """acc + a @ w^T ([BM, BN]) or, SWAP, acc + w @ a^T ([BN, BM]: the decoded weights are the MMA's
-    left operand, taken from registers, and the tokens its N side), on tensor cores: bf16 in, fp32
-    accumulate. Triton's CPU interpreter multiplies bf16 tensors in tl.dot as their raw uint16 bits,
-    so there the operands are widened to fp32 first (exact: the same products)."""
-    if INTERPRET:
-        a = a.to(tl.float32)
-        w = w.to(tl.float32)
-    if SWAP:
-        acc = tl.dot(w, tl.trans(a), acc)
-    else:
-        acc = tl.dot(a, tl.trans(w), acc)
-    return acc
-
-
-@triton.jit
-def _zeros(BM: tl.constexpr, BN: tl.constexpr, SWAP: tl.constexpr):
-    """An fp32 accumulator: [BN, BM] (SWAP) or [BM, BN]."""
-    if SWAP:
-        acc = tl.zeros([BN, BM], dtype=tl.float32)
-    else:
-        acc = tl.zeros([BM, BN], dtype=tl.float32)
-    return acc
-
-
-@triton.jit
-def _rows(v, SWAP: tl.constexpr):
-    """A per-row vector [BM] broadcast against an accumulator tile."""
-    if SWAP:
-        out = v[None, :]
-    else:
-        out = v[:, None]
-    return out
-
-
-@triton.jit
-def _cols(v, SWAP: tl.constexpr):
-    """A per-column vector [BN] broadcast against an accumulator tile."""
-    if SWAP:
-        out = v[:, None]
-    else:
-        out = v[None, :]
-    return out
-
-
-@triton.jit
-def _bf16(v, INTERPRET: tl.constexpr):
-    """fp32 -> bf16, round to nearest even. The interpreter's casts truncate (and its "rtne" mode
-    mishandles a carry out of the mantissa), so there the rounding is done on the bits first."""
-    if INTERPRET:
-        b = v.to(tl.int32, bitcast=True)
-        b = (b + 0x7FFF + ((b >> 16) & 1)) & -65536
-        v = b.to(tl.float32, bitcast=True)
-    return v.to(tl.bfloat16)
-
-
-@triton.jit
 def _block(meta_ptr, NB, BN_TILES: tl.constexpr):
     """This program's (block, column tile) and the block's (expert, first sorted position, rows)."""
     pid = tl.program_id(0)
@@ -202,20 +146,20 @@ def moe_prefill_gate_up_kernel(
     sg_ptrs = s_e + n[:, None] * (H // 32) + tl.arange(0, BK // 32)[None, :]
     wu_ptrs = wg_ptrs + I * (H // KD)  # up rows I + n
     su_ptrs = sg_ptrs + I * (H // 32)
-    acc_g = _zeros(BM, BN, SWAP)
-    acc_u = _zeros(BM, BN, SWAP)
+    acc_g = zeros_acc(BM, BN, SWAP)
+    acc_u = zeros_acc(BM, BN, SWAP)
     for k0 in range(0, H, BK):
         a = tl.load(a_ptrs + k0, mask=rmask[:, None], other=0.0)
         wg = _tile(tl.load(wg_ptrs + k0 // KD), tl.load(sg_ptrs + k0 // 32), BN, BK, PAIRED)
         wu = _tile(tl.load(wu_ptrs + k0 // KD), tl.load(su_ptrs + k0 // 32), BN, BK, PAIRED)
-        acc_g = _mma(a, wg, acc_g, SWAP, INTERPRET)
-        acc_u = _mma(a, wu, acc_u, SWAP, INTERPRET)
+        acc_g = mma(a, wg, acc_g, SWAP, INTERPRET)
+        acc_u = mma(a, wu, acc_u, SWAP, INTERPRET)
     # clamped SwiGLU (limit <= 0: no clamp): min(silu(g), L) * clip(u, -L, L)
     lim = tl.where(limit > 0, limit, float("inf"))
     g = tl.minimum(acc_g / (1.0 + tl.exp(-acc_g)), lim)
     u = tl.minimum(tl.maximum(acc_u, -lim), lim)
-    h = _bf16(g * u, INTERPRET)
-    tl.store(act_ptr + _rows((start + m) * I, SWAP) + _cols(n, SWAP), h, mask=_rows(rmask, SWAP))
+    h = to_bf16(g * u, INTERPRET)
+    tl.store(act_ptr + per_row((start + m) * I, SWAP) + per_col(n, SWAP), h, mask=per_row(rmask, SWAP))
 
 
 @triton.jit
@@ -235,15 +179,15 @@ def moe_prefill_down_kernel(
     n = nt * BN + tl.arange(0, BN)
     w_ptrs = w_ptr + e.to(tl.int64) * (H * (I // KD)) + n[:, None] * (I // KD) + tl.arange(0, BK // KD)[None, :]
     s_ptrs = s_ptr + e.to(tl.int64) * (H * (I // 32)) + n[:, None] * (I // 32) + tl.arange(0, BK // 32)[None, :]
-    acc = _zeros(BM, BN, SWAP)
+    acc = zeros_acc(BM, BN, SWAP)
     for k0 in range(0, I, BK):
         a = tl.load(a_ptrs + k0, mask=rmask[:, None], other=0.0)
         w = _tile(tl.load(w_ptrs + k0 // KD), tl.load(s_ptrs + k0 // 32), BN, BK, PAIRED)
-        acc = _mma(a, w, acc, SWAP, INTERPRET)
+        acc = mma(a, w, acc, SWAP, INTERPRET)
     slot = tl.load(order_ptr + start + m, mask=rmask, other=0)
     rw = tl.load(rw_ptr + slot, mask=rmask, other=0.0)
-    y = _bf16(acc * _rows(rw, SWAP), INTERPRET)
-    tl.store(part_ptr + _rows(slot * H, SWAP) + _cols(n, SWAP), y, mask=_rows(rmask, SWAP))
+    y = to_bf16(acc * per_row(rw, SWAP), INTERPRET)
+    tl.store(part_ptr + per_row(slot * H, SWAP) + per_col(n, SWAP), y, mask=per_row(rmask, SWAP))
 
 
 @triton.jit
@@ -256,10 +200,10 @@ def moe_prefill_combine_kernel(part_ptr, add_ptr, out_ptr, T, H: tl.constexpr, K
     y = tl.zeros([BT, BH], dtype=tl.float32)
     for k in tl.static_range(K):  # slot order: deterministic
         y += tl.load(part_ptr + (t * K + k)[:, None] * H + cols[None, :], mask=tmask, other=0.0).to(tl.float32)
-    y = _bf16(y, INTERPRET)
+    y = to_bf16(y, INTERPRET)
     offs = t[:, None] * H + cols[None, :]
     if HAS_ADD:  # the shared expert's output, added as torch adds two bf16 tensors
-        y = _bf16(y.to(tl.float32) + tl.load(add_ptr + offs, mask=tmask, other=0.0).to(tl.float32), INTERPRET)
+        y = to_bf16(y.to(tl.float32) + tl.load(add_ptr + offs, mask=tmask, other=0.0).to(tl.float32), INTERPRET)
     tl.store(out_ptr + offs, y, mask=tmask)
 
 

@@ -1,8 +1,9 @@
 """A linear layer whose weight may be plain or FP8 block-scaled (the fp4 release's non-expert form).
 
 Both forms keep the checkpoint's [out, in] layout. FP8 runs through pure-torch dequantization here (the
-reference path); on CUDA a Triton GEMV streams the FP8 bytes instead (`fast`). Projections that read
-the same input are fused at load time into one weight, so one launch streams them all.
+reference path); on CUDA a Triton GEMV streams the FP8 bytes instead for decode and verify windows
+(`fast`), and a Triton GEMM reads them as FP8 for prompts (`fast_prompt`: no dequantized copy). Projections
+that read the same input are fused at load time into one weight, so one launch streams them all.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ class Linear(nn.Module):
         self.cache_dense = False  # keep a dequantized copy (CPU: small models run much faster)
         self._dense: torch.Tensor | None = None
         self.fast: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+        self.fast_prompt: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
         # GPU path for an output projection followed by the residual add and RMSNorm (see project_add_norm)
         self.fast_add_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
 
@@ -59,8 +61,11 @@ class Linear(nn.Module):
         return w
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fast is not None and self.is_fp8 and x.shape[0] <= GEMV_MAX_TOKENS:
-            return self.fast(x, self.weight, self.weight_scale_inv)
+        if self.is_fp8 and x.shape[0] <= GEMV_MAX_TOKENS:
+            if self.fast is not None:
+                return self.fast(x, self.weight, self.weight_scale_inv)
+        elif self.is_fp8 and self.fast_prompt is not None and x.dtype == torch.bfloat16:
+            return self.fast_prompt(x, self.weight, self.weight_scale_inv)
         return F.linear(x, self.dense_weight(x.dtype))
 
     def extra_repr(self) -> str:
