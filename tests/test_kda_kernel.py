@@ -155,16 +155,42 @@ def run_all(device: str, real: bool = True) -> None:
     # the check has teeth: the kernel fed a nudged gate input, beta or norm weight must not pass
     for perturb, case in (("gate", CASES[4]), ("beta", CASES[2]), ("norm", CASES[0])):
         assert compare(case, device, perturb=perturb), f"a perturbed {perturb} went unnoticed"
-    # past MAX_TOKENS, and chunked, it hands over to the twin: the same results exactly (the plain
-    # twin: an earlier test may have left ops.kda_core compiled, which rounds differently)
+    # past MAX_TOKENS keeping steps, past PROMPT_WINDOWS_MAX_TOKENS, and with the windows switched off,
+    # it hands over to the twin: the same results exactly (the plain twin: an earlier test may have left
+    # ops.kda_core compiled, which rounds differently)
+    import os
+
+    from sparkchat.engine.kernels import kda_decode as module
     from sparkchat.engine.nn.ops import ops
     ops.kda_core = kda_core
-    for T, chunked in ((9, False), (4, True)):
+    longest = module.PROMPT_WINDOWS_MAX_TOKENS
+    for T, chunked, keep, windows in ((9, False, True, "1"), (longest + 1, True, False, "1"), (4, True, False, "0"),
+                                      (12, False, False, "0")):
+        os.environ["SPARKCHAT_KDA_PROMPT_WINDOWS"] = windows
         x, (conv, rec), w = make_inputs(T, 2, 16, 4, torch.bfloat16, device)
         c1, r1, c2, r2 = conv.clone(), rec.clone(), conv.clone(), rec.clone()
-        a = kda_core(*x, c1, r1, *w, 2, 16, True, -5.0, 1e-6, False, chunked)
-        b = kda_decode(*x, c2, r2, *w, 2, 16, True, -5.0, 1e-6, False, chunked)
+        a = kda_core(*x, c1, r1, *w, 2, 16, True, -5.0, 1e-6, keep, chunked)
+        b = kda_decode(*x, c2, r2, *w, 2, 16, True, -5.0, 1e-6, keep, chunked)
         assert torch.equal(a[0], b[0]) and torch.equal(r1, r2) and torch.equal(c1, c2), (T, chunked)
+    os.environ["SPARKCHAT_KDA_PROMPT_WINDOWS"] = "1"
+    # a short prompt (chunked or not) runs in windows of 8, 4, 2, 1 tokens: exactly the kernel called
+    # window by window, and the twin's results within the single-window bounds
+    assert module._window_sizes(15) == [8, 4, 2, 1] and module._window_sizes(16) == [8, 8]
+    for T, chunked in ((15, True), (11, False)):
+        x, (conv, rec), w = make_inputs(T, 2, 16, 4, torch.bfloat16, device, seed=T)
+        c1, r1, c2, r2 = conv.clone(), rec.clone(), conv.clone(), rec.clone()
+        o, win, steps = kda_decode(*x, c1, r1, *w, 2, 16, True, -5.0, 1e-6, False, chunked)
+        assert steps is None and o.shape == (T, 32) and win.shape == (3 + T, 96)
+        parts, t0 = [], 0
+        for n in module._window_sizes(T):
+            parts.append(kda_decode(*(t[t0:t0 + n] for t in x), c2, r2, *w, 2, 16, True, -5.0, 1e-6, False, False)[0])
+            t0 += n
+        assert torch.equal(o, torch.cat(parts)) and torch.equal(r1, r2) and torch.equal(c1, c2), T
+        c3, r3 = conv.clone(), rec.clone()
+        want, want_win, _ = kda_core(*x, c3, r3, *w, 2, 16, True, -5.0, 1e-6, False, False)
+        assert torch.equal(win, want_win) and torch.equal(c1, c3), T
+        assert torch.allclose(o.float(), want.float(), rtol=2 ** -6, atol=2 ** -6), T
+        assert ((r1 - r3).abs().max() / r3.abs().max()).item() < 1e-2, T
     print("kda kernel ok")
 
 
@@ -194,7 +220,7 @@ def run_model(path: str) -> None:
         state = ConversationState.allocate(cfg, 64, "cpu", torch.bfloat16)
         dec = Decoder(model, state)
         prompt = list(range(5, 30))
-        dec.forward(prompt)  # prefill (chunked): not the kernel
+        dec.forward(prompt)  # a short prompt: the kernel, in windows (kda_decode's own choice)
         dec.commit(prompt)
         _, l1, _ = dec.forward([7])
         dec.commit([7])
@@ -205,7 +231,7 @@ def run_model(path: str) -> None:
     want, want_state = run(False)
     assert not seen
     got, got_state = run(True)
-    assert seen and set(seen) == {1, 3}, seen
+    assert seen and set(seen) == {25, 1, 3}, seen
     rel = ((got - want).abs().amax(-1) / want.abs().amax(-1)).max().item()
     assert rel < 0.02, rel
     for name, t in want_state.items():

@@ -9,9 +9,16 @@ model dtype before the norm.
 
 dv_blocks (LAUNCH: 4) spreads each head's value columns over that many programs (more SMs for the
 state's bytes); the head's last program to finish then applies the output norm, which needs the whole o.
+
+A short prompt (up to PROMPT_WINDOWS_MAX_TOKENS) runs as consecutive windows of 8, 4, 2 and 1 tokens
+through the same kernel, each advancing the layer's states in place: a 16-token prompt is two launches a
+layer, where fla-core's chunked kernels spent ~2 ms of host time a layer (H200 host profile, docs/
+benchmarks.md session 19) on launching a dozen kernels through their autotuners.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -20,7 +27,8 @@ import triton.language as tl
 from sparkchat.engine.kernels.counters import arrival_counters
 from sparkchat.engine.kernels.pdl import pdl_args, pdl_wait
 
-MAX_TOKENS = 8  # longer non-chunked steps go to the torch twin
+MAX_TOKENS = 8  # longer non-chunked steps go to the torch twin, or (no kept steps) to windows of ≤ 8
+PROMPT_WINDOWS_MAX_TOKENS = 64  # prompts up to this long run in windows instead of chunked (fla-core)
 # Programs per head and warps (H200 sweeps, docs/benchmarks.md): each head's value columns spread over
 # 4 programs of 4 warps — one token 4.65 µs a layer (one program of 8 warps: 8.95 µs; 4 x 2 warps was
 # faster alone, 4.15 µs, but not in the graphed step), a 4-token verify 9.1 µs when it kept per-position
@@ -258,6 +266,10 @@ def kda_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tenso
     K = conv_w.shape[1]
     nb, nw = LAUNCH
     dv_blocks, num_warps = dv_blocks or nb, num_warps or nw
+    if not keep_steps and (T > MAX_TOKENS or chunked) and T <= PROMPT_WINDOWS_MAX_TOKENS and prompt_windows_enabled():
+        return _in_windows(q, k, v, f, beta_logit, out_gate, conv_state, recurrent, conv_w, A_log, dt_bias, o_norm_w,
+                           heads, head_dim, safe_gate, lower_bound, eps, dv_blocks=dv_blocks, num_warps=num_warps,
+                           beta_x=beta_x, beta_w=beta_w)
     if beta_logit is None:
         assert beta_x is not None and beta_w is not None
         fold = dict(bx_ptr=beta_x.contiguous(), bw_ptr=beta_w.contiguous(), FOLD_B=True, HID=beta_x.shape[1],
@@ -269,7 +281,8 @@ def kda_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tenso
         from sparkchat.engine.nn.kda import kda_core
         from sparkchat.engine.nn.ops import ops
 
-        core = ops.kda_core if ops.kda_core is not kda_decode else kda_core
+        # a prompt's lengths vary: the uncompiled twin (as KimiDeltaAttention runs it), else the compiled one
+        core = ops.kda_core if ops.kda_core is not kda_decode and not chunked else kda_core
         if beta_logit is None:
             beta_logit = torch.nn.functional.linear(beta_x, beta_w)
         return core(q, k, v, f, beta_logit, out_gate, conv_state, recurrent, conv_w, A_log, dt_bias, o_norm_w,
@@ -292,3 +305,35 @@ def kda_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tenso
         T=T, H=heads, DH=head_dim, KC=K, NB=dv_blocks, SAFE_GATE=bool(safe_gate), KEEP=bool(keep_steps),
         num_warps=num_warps, **fold, **pdl_args(q.device))
     return o, window, steps
+
+
+def prompt_windows_enabled() -> bool:
+    """Short prompts run through this kernel in windows unless SPARKCHAT_KDA_PROMPT_WINDOWS=0."""
+    return os.environ.get("SPARKCHAT_KDA_PROMPT_WINDOWS", "1") != "0"
+
+
+def _window_sizes(T: int) -> list[int]:
+    """Windows of 8, then the rest as 4, 2, 1: the token counts decode and verify compile anyway, plus 8."""
+    sizes = [MAX_TOKENS] * (T // MAX_TOKENS)
+    rest = T % MAX_TOKENS
+    for n in (4, 2, 1):
+        if rest >= n:
+            sizes.append(n)
+            rest -= n
+    return sizes
+
+
+def _in_windows(q, k, v, f, beta_logit, out_gate, conv_state, recurrent, *args, beta_x=None, **kw):
+    """kda_decode over consecutive windows of a prompt, the states advancing in place between them; the
+    conv window returned is the whole prompt's, as the twin's."""
+    outs, window = [], []
+    t0 = 0
+    for n in _window_sizes(q.shape[0]):
+        sl = slice(t0, t0 + n)
+        o, win, _ = kda_decode(q[sl], k[sl], v[sl], f[sl], None if beta_logit is None else beta_logit[sl],
+                               out_gate[sl], conv_state, recurrent, *args, False, False,
+                               beta_x=None if beta_x is None else beta_x[sl], **kw)
+        outs.append(o)
+        window.append(win if not window else win[win.shape[0] - n:])
+        t0 += n
+    return torch.cat(outs), torch.cat(window), None

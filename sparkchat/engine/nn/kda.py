@@ -175,8 +175,10 @@ class KimiDeltaAttention(nn.Module):
                 chunked: bool = False, project_out: bool = True) -> tuple[torch.Tensor, KDASteps | None]:
         """(output [T, hidden], kept steps); with project_out=False the output is out_proj's input."""
         q, k, v, f, out_gate = project(self.fused, self.input_projections(), x)
-        if chunked:
+        if chunked and (keep_steps or self.fast_core is None):
             core = kda_core if not keep_steps else ops.kda_core  # prefill lengths vary: not compiled
+        elif chunked:  # the kernel runs a short prompt in windows, a long one through the uncompiled twin
+            core = self.fast_core
         else:
             core = self.fast_core if self.fast_core is not None else ops.kda_core
         # the fused kernel computes beta's logits from x and b_proj's (plain) weight itself
