@@ -204,6 +204,30 @@ def registers(kernel, name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
+def stack_frame(kernel, name: str) -> int | None:
+    """Bytes of local-memory stack a thread uses (register spills land there; None if unreadable)."""
+    path = Path("/tmp") / f"sparkchat_stack_{name}.cubin"
+    path.write_bytes(kernel.asm["cubin"])
+    done = subprocess.run([str(CUOBJDUMP), "--dump-resource-usage", str(path)], capture_output=True, text=True)
+    m = re.search(r"STACK:(\d+)", done.stdout)
+    return int(m.group(1)) if m else None
+
+
+def prompt_gemm(arch: int, M: int, N: int = 20480, K: int = 2560, smem: int | None = None):
+    """(the prompt FP8 GEMM compiled for sm_<arch> with gemm_config's choice for M tokens, that config),
+    shrunk to `smem` bytes of shared memory (default: the DGX Spark's 99 KB on sm_12x, the H200's 227 KB
+    otherwise)."""
+    from sparkchat.engine.kernels import fp8_gemm
+
+    limit = smem or (101376 if arch >= 120 else 232448)
+    cfg = fp8_gemm._shrink(fp8_gemm.gemm_config(M, N, K, None), limit)  # None: no device, no limit yet
+    kernel = compile_kernel(fp8_gemm.fp8_block_gemm_kernel,
+                            {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "y_ptr": "*bf16", "M": "i32"},
+                            dict(N=N, K=K, BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP=cfg.group, SWAP=cfg.swap,
+                                 INTERPRET=False), cfg.warps, arch, cfg.stages)
+    return kernel, cfg
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--arch", type=int, action="append", help="SM version, e.g. 90 (H200) or 121 (GB10)")

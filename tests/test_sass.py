@@ -141,3 +141,16 @@ def test_commit_kernel_holds_the_state_as_the_verify_does(arch):
               HID=1, BKH=1, PDL=True)
     verify = sass_stats.compile_kernel(d.kda_decode_kernel, sig, cx, warps, arch)
     assert _state_tile_layout(commit) == _state_tile_layout(verify)
+
+
+@pytest.mark.parametrize("M", [16, 32, 64, 512])
+def test_prompt_gemm_compiles_for_the_spark_without_spills(M):
+    """The prompt FP8 GEMM's config for each token bucket, shrunk to the GB10's 99 KB of shared memory,
+    compiles for sm_121a to mma.sync (no wgmma) with no register spills and fits that shared memory;
+    on sm_90 it becomes wgmma."""
+    s = _tools()
+    spark, cfg = s.prompt_gemm(121, M)
+    assert "mma.sync" in spark.asm["ptx"] and "wgmma" not in spark.asm["ptx"], cfg
+    assert spark.metadata.shared <= 101376 and s.stack_frame(spark, "fp8_block_gemm_kernel") == 0, cfg
+    hopper, _ = s.prompt_gemm(90, M)
+    assert "wgmma" in hopper.asm["ptx"]
