@@ -107,8 +107,9 @@ def test_fp8_block_gemm_under_triton_interpreter():
     assert proc.returncode == 0 and "interpreter ok" in proc.stdout, proc.stderr[-3000:]
 
 
-# Ling-3.0-flash's FP8 linears (N, K): KDA q|k|v|g fused, a KDA output, the dense MLP's gate|up and down,
-# MLA's kv_a (576 rows: a ragged last tile), the shared expert's down.
+# (N, K) of the kinds Ling-3.0-flash's FP8 linears have: fused input projections over the hidden size
+# (16K and 12K rows), output projections over 4096 and 6144 inputs, MLA's kv_a (576 rows: a ragged last
+# tile), the shared expert's down projection (768 inputs).
 GPU_SHAPES = [(16384, 2560), (2560, 4096), (12288, 2560), (2560, 6144), (576, 2560), (2560, 768)]
 
 
