@@ -195,21 +195,22 @@ def mla_kernels(arch: int, T: int, smem: int) -> dict[str, object]:
     }
 
 
+def _resource_usage(kernel, name: str) -> str:
+    """cuobjdump's resource-usage line(s) for a compiled kernel (REG, STACK, SHARED, ...)."""
+    path = Path("/tmp") / f"sparkchat_usage_{name}.cubin"
+    path.write_bytes(kernel.asm["cubin"])
+    return subprocess.run([str(CUOBJDUMP), "--dump-resource-usage", str(path)], capture_output=True, text=True).stdout
+
+
 def registers(kernel, name: str) -> int | None:
     """Registers per thread of a compiled kernel (cuobjdump's resource usage; None if unreadable)."""
-    path = Path("/tmp") / f"sparkchat_regs_{name}.cubin"
-    path.write_bytes(kernel.asm["cubin"])
-    done = subprocess.run([str(CUOBJDUMP), "--dump-resource-usage", str(path)], capture_output=True, text=True)
-    m = re.search(r"REG:(\d+)", done.stdout)
+    m = re.search(r"REG:(\d+)", _resource_usage(kernel, name))
     return int(m.group(1)) if m else None
 
 
 def stack_frame(kernel, name: str) -> int | None:
     """Bytes of local-memory stack a thread uses (register spills land there; None if unreadable)."""
-    path = Path("/tmp") / f"sparkchat_stack_{name}.cubin"
-    path.write_bytes(kernel.asm["cubin"])
-    done = subprocess.run([str(CUOBJDUMP), "--dump-resource-usage", str(path)], capture_output=True, text=True)
-    m = re.search(r"STACK:(\d+)", done.stdout)
+    m = re.search(r"STACK:(\d+)", _resource_usage(kernel, name))
     return int(m.group(1)) if m else None
 
 
