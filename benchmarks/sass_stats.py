@@ -6,8 +6,8 @@ Triton compiles for any NVIDIA target on a CPU-only machine (its wheel bundles p
 so this shows what a kernel change does to the SASS before any GPU time is spent: for each kernel,
 the instructions in its k loop per weight a thread streams (MoE stages, fp32 FMA products against
 bf16x2; the verify's tensor-core GEMV, with the MMA instruction its PTX uses), and the router's
-whole-kernel count, shuffles and shared-memory traffic. Pointer arguments
-are marked 16-byte aligned, as a real launch specializes them. --arch 121 compiles for the DGX Spark
+whole-kernel count, shuffles and shared-memory traffic; for the MLA kernels and the prompt FP8 GEMM,
+their shared memory, MMA instruction and registers. Pointer arguments are marked 16-byte aligned, as a real launch specializes them. --arch 121 compiles for the DGX Spark
 (GB10): a portability check of the default path.
 """
 
@@ -260,6 +260,13 @@ def main() -> None:
                 mma = "wgmma" if "wgmma" in ptx else "mma.sync" if "mma.sync" in ptx else "no MMA"
                 print(f"  {name} T={T}: {kernel.metadata.shared} bytes of shared memory, {mma}, "
                       f"{registers(kernel, name)} registers")
+        for M in (16, 32, 64, 512):  # the prompt GEMM's token buckets (kernels/fp8_gemm.py)
+            kernel, cfg = prompt_gemm(arch, M)
+            ptx = kernel.asm["ptx"]
+            mma = "wgmma" if "wgmma" in ptx else "mma.sync" if "mma.sync" in ptx else "no MMA"
+            name = "fp8_block_gemm_kernel"
+            print(f"  {name} {M} tokens ({cfg.bm}x{cfg.bn}x{cfg.bk} tiles): {kernel.metadata.shared} bytes of shared "
+                  f"memory, {mma}, {registers(kernel, name)} registers, {stack_frame(kernel, name)} bytes of stack")
 
 
 if __name__ == "__main__":
