@@ -7,8 +7,9 @@ installed, FP8 head.
 For each length: a fresh conversation, the prompt from position 0 (median of 3 after a warm-up prompt),
 then (with --continue-at N) the same prompt after N tokens already in the cache: a second turn's prefill,
 which attends to the earlier rows too. With --switch NAME each measurement is taken with the environment
-switch NAME on (1) and off (0), alternated in one process (the kernels re-installed each time). Runs on trees without `Decoder.forward(last_logits=)` as well
-(they compute the logits of every prompt token), so an older checkout can be timed the same way.
+switch NAME on (1) and off (0), alternated in one process (the kernels re-installed each time). Runs on
+trees without `Decoder.forward(last_logits=)` as well (they compute the logits of every prompt token), so
+an older checkout can be timed the same way.
 """
 
 from __future__ import annotations

@@ -175,12 +175,12 @@ class KimiDeltaAttention(nn.Module):
                 chunked: bool = False, project_out: bool = True) -> tuple[torch.Tensor, KDASteps | None]:
         """(output [T, hidden], kept steps); with project_out=False the output is out_proj's input."""
         q, k, v, f, out_gate = project(self.fused, self.input_projections(), x)
-        if chunked and (keep_steps or self.fast_core is None):
+        if self.fast_core is not None and not (chunked and keep_steps):
+            core = self.fast_core  # a prompt: in windows when short, else through the uncompiled twin
+        elif chunked:
             core = kda_core if not keep_steps else ops.kda_core  # prefill lengths vary: not compiled
-        elif chunked:  # the kernel runs a short prompt in windows, a long one through the uncompiled twin
-            core = self.fast_core
         else:
-            core = self.fast_core if self.fast_core is not None else ops.kda_core
+            core = ops.kda_core
         # the fused kernel computes beta's logits from x and b_proj's (plain) weight itself
         fold = core is self.fast_core and not self.b_proj.is_fp8 and self.b_proj.weight.dtype == x.dtype
         extra = {"beta_x": x, "beta_w": self.b_proj.weight} if fold else {}

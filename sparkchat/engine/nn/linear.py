@@ -61,11 +61,13 @@ class Linear(nn.Module):
         return w
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.is_fp8 and x.shape[0] <= GEMV_MAX_TOKENS:
-            if self.fast is not None:
-                return self.fast(x, self.weight, self.weight_scale_inv)
-        elif self.is_fp8 and self.fast_prompt is not None and x.dtype == torch.bfloat16:
-            return self.fast_prompt(x, self.weight, self.weight_scale_inv)
+        if self.is_fp8:
+            if x.shape[0] <= GEMV_MAX_TOKENS:
+                fast = self.fast
+            else:
+                fast = self.fast_prompt if x.dtype == torch.bfloat16 else None  # the prompt kernels take bf16
+            if fast is not None:
+                return fast(x, self.weight, self.weight_scale_inv)
         return F.linear(x, self.dense_weight(x.dtype))
 
     def extra_repr(self) -> str:
