@@ -25,7 +25,6 @@ from bench_kernels import H, INTER, K, graph_us, make_layer, measure_read_bw, mo
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="the default config only")
-    ap.add_argument("--preload", action="store_true", help="configs with every down weight loaded up front")
     args = ap.parse_args()
     from sparkchat.engine.kernels import reference as ref
     from sparkchat.engine.kernels.moe_fused import DownLayout, FusedConfig, column_blocks, fused_one_token
@@ -59,11 +58,7 @@ def main() -> None:
                                     paired=True, x_packed=xps[i]) for i, r in enumerate(routes)]))
 
     configs = [FusedConfig()]
-    if args.preload:
-        configs = [FusedConfig(preload=False), FusedConfig(preload=True), FusedConfig(preload=True, bn=32),
-                   FusedConfig(preload=True, ch=512), FusedConfig(preload=True, warps=8),
-                   FusedConfig(preload=True, unroll=1), FusedConfig(preload=True, warps=8, bkw=32)]
-    elif not args.quick:
+    if not args.quick:
         configs += [FusedConfig(bn=8), FusedConfig(bn=32), FusedConfig(bkw=32), FusedConfig(ch=128),
                     FusedConfig(ch=512), FusedConfig(unroll=1), FusedConfig(warps=2), FusedConfig(bn=8, warps=2),
                     FusedConfig(bn=8, bkw=128), FusedConfig(prefetch=False), FusedConfig(warps=8, ch=512)]

@@ -50,8 +50,6 @@ def main() -> None:
     ap.add_argument("--draft", action="store_true", help="each kernel of a greedy 3-draft chain (MTP)")
     ap.add_argument("--switch", default=None, help="time the graphed step with this env switch 1/0 alternated")
     ap.add_argument("--rounds", type=int, default=3, help="--switch: rounds of on, off")
-    ap.add_argument("--fused-blocks", action="store_true",
-                    help="give every MoE layer a column-block copy of its down weights (kernels/moe_fused.py)")
     ap.add_argument("--ab", action="store_true", help="time PDL, the side stream and packed MoE products on and off")
     ap.add_argument("--knockout", action="store_true", help="time the step without the shared expert / router")
     ap.add_argument("--loop-switch", default=None, help="alternate this env switch 1/0 in the real MTP loop")
@@ -63,13 +61,6 @@ def main() -> None:
     if args.prefill:
         profile_prefill(model, state, args.prefill, args.host)
         return
-    if args.fused_blocks:  # an extra copy of the down weights: an experiment, not the engine's layout
-        from sparkchat.engine.kernels.moe_fused import column_blocks
-        from sparkchat.engine.nn.moe import Experts
-
-        for ex in model.modules():
-            if isinstance(ex, Experts) and ex.is_mxfp4:
-                ex.w2_blocks = column_blocks(ex.w2, ex.w2_scale, 16)
     if args.ab:
         compare_overlap(model, state)
         return

@@ -40,7 +40,7 @@ _SCRIPT = textwrap.dedent("""
         # the two-stage kernel with the same bf16x2 products and bf16 activations: the same sums
         two = mxfp4_moe(x, ids, wts, a13, s13, a2, s2, limit, paired=paired,
                         config=MoeConfig(dedupe=False, packed=True, packed_act=True))
-        for cfg in (FusedConfig(bn=bn, bkw=4, ch=32), FusedConfig(bn=bn, bkw=8, ch=16, prefetch=False, preload=True)):
+        for cfg in (FusedConfig(bn=bn, bkw=4, ch=32), FusedConfig(bn=bn, bkw=8, ch=16, prefetch=False)):
             fused_one_token(x, ids, wts, a13, s13, d2, ds2, limit, out, act, config=cfg, paired=paired,
                             x_packed=xp, layout=DownLayout(blocks), interpret=True)
             assert rel_err(out, want) < 2e-2, (limit, bn, blocks, paired, cfg)  # bf16 activations, bf16x2 sums
@@ -83,8 +83,8 @@ def test_fused_switch_reaches_the_config(monkeypatch):
 @pytest.mark.parametrize("bn", [8, 16, 32])
 def test_fused_one_token_gpu(blocks, paired, bn):
     from sparkchat.engine.kernels.mxfp4_layout import permute_words_
+    from sparkchat.engine.kernels.mxfp4_moe import pack_moe_x
     from sparkchat.engine.kernels.moe_fused import DownLayout, FusedConfig, column_blocks, fused_one_token
-    from sparkchat.engine.kernels.mxfp4_moe import MoeConfig, mxfp4_moe, pack_moe_x
 
     gen = torch.Generator().manual_seed(bn)
     H, I, E = 2560, 768, 12
@@ -101,16 +101,12 @@ def test_fused_one_token_gpu(blocks, paired, bn):
             want = ref.mxfp4_moe_reference(x, ids, wts, w13, s13, w2, s2, limit)
             shared = torch.randn(1, H, generator=gen).bfloat16().cuda()
             xp = pack_moe_x(x) if paired else None
-            two = mxfp4_moe(x, ids, wts, a13, s13, a2, s2, limit, paired=paired,
-                            config=MoeConfig(dedupe=False, packed=True, packed_act=True))
-            for cfg in (FusedConfig(bn=bn), FusedConfig(bn=bn, preload=True)):
-                fused_one_token(x, ids, wts, a13, s13, d2, ds2, limit, out, act, config=cfg, paired=paired,
-                                x_packed=xp, layout=DownLayout(blocks))
-                assert rel_err(out, want) < 2e-2  # bf16 activations, bf16x2 sums, as the two-stage kernel's
-                assert rel_err(out, two) < 2e-3  # the same sums in another order
-                fused_one_token(x, ids, wts, a13, s13, d2, ds2, limit, out, act, add=shared, config=cfg,
-                                paired=paired, x_packed=xp, layout=DownLayout(blocks))
-                assert rel_err(out, want.float() + shared.float()) < 2e-2
+            fused_one_token(x, ids, wts, a13, s13, d2, ds2, limit, out, act, config=FusedConfig(bn=bn), paired=paired,
+                            x_packed=xp, layout=DownLayout(blocks))
+            assert rel_err(out, want) < 1e-2
+            fused_one_token(x, ids, wts, a13, s13, d2, ds2, limit, out, act, add=shared, config=FusedConfig(bn=bn),
+                            paired=paired, x_packed=xp, layout=DownLayout(blocks))
+            assert rel_err(out, want.float() + shared.float()) < 1e-2
 
 
 @pytest.mark.skipif(not GPU, reason="needs a CUDA GPU and triton")

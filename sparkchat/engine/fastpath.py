@@ -69,8 +69,7 @@ class ExpertsKernel:
         ex = self.experts
         return mxfp4_moe(x.contiguous(), ids.contiguous(), weights.float().contiguous(), ex.w13, ex.w13_scale,
                          ex.w2, ex.w2_scale, ex.limit, add=add, join=join, paired=ex.paired,
-                         x_packed=getattr(x, "moe_x", None),  # written by the norm before (install)
-                         down_blocks=getattr(ex, "w2_blocks", None))
+                         x_packed=getattr(x, "moe_x", None))  # written by the norm before (install)
 
 
 def side_stream_enabled() -> bool:

@@ -52,7 +52,7 @@ def mxfp4_moe_one_token_kernel(
     BN: tl.constexpr, BKW: tl.constexpr, UNROLL: tl.constexpr, CH: tl.constexpr, H_PAD: tl.constexpr,
     D_SN: tl.constexpr, D_SB: tl.constexpr, S_SN: tl.constexpr, S_SG: tl.constexpr,
     PREFETCH: tl.constexpr, INTERPRET: tl.constexpr, PAIRED: tl.constexpr, X_PACKED: tl.constexpr,
-    PRELOAD: tl.constexpr = False, PDL: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
     """Grid (K, I / BN). x_ptr: bf16 [H], or int32 [H/2] already as bf16x2 words (X_PACKED).
     act_ptr / act_words_ptr: one scratch [K, I] seen as bf16 and as int32 (this program's BN
@@ -71,14 +71,8 @@ def mxfp4_moe_one_token_kernel(
     g = (j * BN) // 32
     rows = tl.arange(0, CH)
     first = j % NCH  # programs start at different row chunks: their atomics spread over the buffer
-    # Down weights depend only on the expert: in flight during the gate/up stream (PRELOAD: all of them,
-    # else the first chunk).
-    wds = ()
-    sds = ()
-    for c in tl.static_range(NCH if PRELOAD else 1):
-        wd, sd = _down_tiles(d_e, ds_e, ((first + c) % NCH) * CH + rows, j, g, CB, D_SN, D_SB, S_SN, S_SG)
-        wds = wds + (wd,)
-        sds = sds + (sd,)
+    # The first chunk of down weights depends only on the expert: in flight during the gate/up stream.
+    wd, sd = _down_tiles(d_e, ds_e, first * CH + rows, j, g, CB, D_SN, D_SB, S_SN, S_SG)
     row0s = (j * BN, I + j * BN)  # gate rows, up rows
     accs = _stream(_zeros(2, BN, BKW), w13_ptr + e * (2 * I * HW), s13_ptr + e * (2 * I * HG), row0s, HW, HG, HW,
                    x_ptr, (0,), (e >= 0,), BN, BKW, 2, 1, False, UNROLL, PREFETCH, False, True, INTERPRET, PAIRED,
@@ -92,21 +86,14 @@ def mxfp4_moe_one_token_kernel(
     _store_act_packed(act_ptr + s * I, j * BN + sub, a * u * rw, sub >= 0, INTERPRET)
     tl.debug_barrier()  # the stores above are visible to this program's other threads
     xp = _pack_x(act_words_ptr + s * (I // 2), (j * CB + tl.arange(0, CB)) * 8, INTERPRET, True)
-    if PRELOAD:
-        for c in tl.static_range(NCH):
-            part = tl.sum(_word_dot(wds[c], xp, INTERPRET, PAIRED), axis=1) * _e8m0_scale(sds[c])
-            tl.atomic_add(acc_ptr + ((first + c) % NCH) * CH + rows, part, sem="relaxed", scope="gpu")
-    else:
-        wd = wds[0]
-        sd = sds[0]
-        for c in tl.range(0, NCH):
-            n0 = ((first + c) % NCH) * CH
-            nn = ((first + c + 1) % NCH) * CH  # the last step reloads the first chunk (cache hits)
-            wd_n, sd_n = _down_tiles(d_e, ds_e, nn + rows, j, g, CB, D_SN, D_SB, S_SN, S_SG)
-            part = tl.sum(_word_dot(wd, xp, INTERPRET, PAIRED), axis=1) * _e8m0_scale(sd)
-            tl.atomic_add(acc_ptr + n0 + rows, part, sem="relaxed", scope="gpu")
-            wd = wd_n
-            sd = sd_n
+    for c in tl.range(0, NCH):
+        n0 = ((first + c) % NCH) * CH
+        nn = ((first + c + 1) % NCH) * CH  # the last step reloads the first chunk (cache hits)
+        wd_n, sd_n = _down_tiles(d_e, ds_e, nn + rows, j, g, CB, D_SN, D_SB, S_SN, S_SG)
+        part = tl.sum(_word_dot(wd, xp, INTERPRET, PAIRED), axis=1) * _e8m0_scale(sd)
+        tl.atomic_add(acc_ptr + n0 + rows, part, sem="relaxed", scope="gpu")
+        wd = wd_n
+        sd = sd_n
     # The last program to finish rounds the sums (atomics above -> barrier -> release).
     tl.debug_barrier()
     done = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
@@ -130,7 +117,6 @@ class FusedConfig:
     ch: int = 256  # down rows per step
     warps: int = 4
     prefetch: bool = True
-    preload: bool = True  # all of a program's down weights loaded before its gate/up stream
 
 
 @dataclass(frozen=True)
@@ -179,10 +165,7 @@ def fused_one_token(
     acc = accumulator(x.device, H)
     if join is not None:
         join()
-    bkw = max(4, min(cfg.bkw, H // 8))
-    while (H // 8) % bkw:
-        bkw //= 2
-    meta = dict(K=K, H=H, I=inter, HAS_ADD=add is not None, BN=bn, BKW=bkw, PRELOAD=cfg.preload,
+    meta = dict(K=K, H=H, I=inter, HAS_ADD=add is not None, BN=bn, BKW=max(4, min(cfg.bkw, H // 8)),
                 UNROLL=cfg.unroll, CH=ch, H_PAD=_pow2(H), PREFETCH=cfg.prefetch, INTERPRET=interpret, PAIRED=paired,
                 X_PACKED=x_packed is not None, num_warps=cfg.warps, **layout.strides(H, inter, bn))
     xin = x_packed.view(torch.int32) if x_packed is not None else x

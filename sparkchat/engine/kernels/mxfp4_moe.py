@@ -627,7 +627,6 @@ def mxfp4_moe(
     config: MoeConfig | None = None,
     paired: bool = False,  # w13 and w2 in paired word order (kernels/mxfp4_layout.py)
     x_packed: torch.Tensor | None = None,  # x as pack_moe_x lays it out (bf16 [T, H]), or None
-    down_blocks: tuple[torch.Tensor, torch.Tensor] | None = None,  # w2 in column blocks (moe_fused), or None
 ) -> torch.Tensor:
     """Routed MXFP4 experts for T tokens: sum_k w[t,k] * down_e(swiglu_L(gate_e x_t, up_e x_t)) -> bf16 [T, H].
 
@@ -664,12 +663,10 @@ def mxfp4_moe(
     assert ws.count.dtype == torch.int32 and ws.count.numel() >= H // (cfg.bn2 * cfg.rs2)
 
     if T == 1 and cfg.fused:
-        from sparkchat.engine.kernels.moe_fused import DownLayout, fused_one_token
+        from sparkchat.engine.kernels.moe_fused import fused_one_token
 
-        d2, ds2 = down_blocks or (w2, w2_scale)
-        return fused_one_token(x, topk_ids, topk_weights, w13, w13_scale, d2, ds2, swiglu_limit, out, ws.act,
-                               add=add, join=join, paired=paired, x_packed=x_packed, interpret=_interpreting(),
-                               layout=DownLayout(down_blocks is not None))
+        return fused_one_token(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, swiglu_limit, out, ws.act,
+                               add=add, join=join, paired=paired, x_packed=x_packed, interpret=_interpreting())
     use_xp = x_packed is not None and cfg.packed
     if use_xp:
         assert x_packed.shape == (T, H) and x_packed.dtype == torch.bfloat16 and x_packed.is_contiguous()
