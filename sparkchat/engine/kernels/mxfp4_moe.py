@@ -536,7 +536,6 @@ class MoeConfig:
     prefetch: bool = False  # one-step software pipelining of the k loop
     packed: bool = False  # bf16x2 products (_WORD_DOT_ASM); one token per program, so not with dedupe
     packed_act: bool = False  # stage 1 writes act as stage 2's bf16x2 words (ignored unless packed)
-    fused: bool = False  # one token: one launch, split-K over the down projection (kernels/moe_fused.py)
 
 
 # Best measured on the H200 at the Ling-3.0-flash shape (H=2560, I=768, K=8); see docs/benchmarks.md.
@@ -560,8 +559,7 @@ def moe_config(T: int, H: int, I: int) -> MoeConfig:
     packed = one_token and os.environ.get("SPARKCHAT_MOE_PACKED", "1") != "0"
     # packed activations: H200, 2026-12-03, one-token step -0.02..-0.045 ms, 4-token verify -0.09 ms
     return replace(cfg, packed=packed,
-                   packed_act=packed and os.environ.get("SPARKCHAT_MOE_PACKED_ACT", "1") != "0",
-                   fused=T == 1 and os.environ.get("SPARKCHAT_MOE_FUSED", "0") == "1")
+                   packed_act=packed and os.environ.get("SPARKCHAT_MOE_PACKED_ACT", "1") != "0")
 
 
 def pack_moe_x(x: torch.Tensor) -> torch.Tensor:
@@ -662,11 +660,6 @@ def mxfp4_moe(
     assert ws.part.dtype == torch.float32 and ws.part.numel() >= T * K * H
     assert ws.count.dtype == torch.int32 and ws.count.numel() >= H // (cfg.bn2 * cfg.rs2)
 
-    if T == 1 and cfg.fused:
-        from sparkchat.engine.kernels.moe_fused import fused_one_token
-
-        return fused_one_token(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, swiglu_limit, out, ws.act,
-                               add=add, join=join, paired=paired, x_packed=x_packed, interpret=_interpreting())
     use_xp = x_packed is not None and cfg.packed
     if use_xp:
         assert x_packed.shape == (T, H) and x_packed.dtype == torch.bfloat16 and x_packed.is_contiguous()
