@@ -220,9 +220,9 @@ def alternate(model, state: ConversationState, name: str, rounds: int = 3) -> No
     """The graphed step with one switch on, off, on, off...: a change's effect without machine drift."""
     import os
 
-    name, _, on = name.partition("=")  # NAME=VALUE alternates VALUE and 0
+    name, _, on = name.partition("=")  # NAME=VALUE alternates VALUE and 0; NAME=V1,V2 each of them and 0
     for _ in range(rounds):
-        for value in (on or "1", "0"):
+        for value in (*(on or "1").split(","), "0"):
             os.environ[name] = value
             fastpath.install(model, linears=True, experts=True, head=True)
             print(f"{name}={value}  graph decode step: {graph_step_ms(model, state):.3f} ms, "

@@ -398,12 +398,19 @@ _INTERPRET_SCRIPT = textwrap.dedent("""
     from tests.test_kernels import make_experts, make_fp8, make_routing, rel_err
     gen = torch.Generator().manual_seed(0)
     w13, s13, w2, s2 = make_experts(6, 64, 32, gen=gen)
-    for T, repeat, dedupe, limit, prefetch, packed in [
-            (1, 0, True, 0.0, False, False), (3, 2, True, 0.02, True, False), (2, 3, False, 0.0, False, False),
-            (1, 0, False, 0.02, True, False), (1, 0, False, 0.02, False, True), (3, 2, False, 0.0, False, True)]:
+    for T, repeat, dedupe, limit, prefetch, packed, preload in [
+            (1, 0, True, 0.0, False, False, False), (3, 2, True, 0.02, True, False, False),
+            (2, 3, False, 0.0, False, False, False), (1, 0, False, 0.02, True, False, False),
+            (1, 0, False, 0.02, False, True, False), (3, 2, False, 0.0, False, True, False),
+            (1, 0, False, 0.0, True, True, True), (2, 1, False, 0.0, False, True, True)]:
         ids, wts = make_routing(T, 4, 6, repeat, gen)
         x = torch.randn(T, 64, generator=gen).bfloat16()
-        cfg = MoeConfig(bn1=4, rs1=2, bkw1=8, bn2=8, rs2=2, bkw2=4, dedupe=dedupe, prefetch=prefetch, packed=packed)
+        cfg = MoeConfig(bn1=4, rs1=2, bkw1=8, bn2=8, rs2=2, bkw2=4, dedupe=dedupe, prefetch=prefetch, packed=packed,
+                        preload1=preload, preload2=preload)
+        if preload:  # every weight load issued up front: the same sums as the step-by-step loop
+            step = MoeConfig(**{**cfg.__dict__, "preload1": False, "preload2": False})
+            assert torch.equal(mxfp4_moe(x, ids, wts, w13, s13, w2, s2, limit, config=cfg),
+                               mxfp4_moe(x, ids, wts, w13, s13, w2, s2, limit, config=step)), T
         out = mxfp4_moe(x, ids, wts, w13, s13, w2, s2, limit, config=cfg)
         want = ref.mxfp4_moe_reference(x, ids, wts, w13, s13, w2, s2, limit)
         assert rel_err(out, want) < 1e-2, T

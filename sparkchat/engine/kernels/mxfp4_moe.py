@@ -330,48 +330,62 @@ def _decode(ws, ss, R: tl.constexpr, PAIRED: tl.constexpr):
 def _stream(accs, w_e, s_e, row0s, row_stride, srow_stride, KW: tl.constexpr, x_ptr, x_offs, valid,
             BN: tl.constexpr, BKW: tl.constexpr, R: tl.constexpr, NT: tl.constexpr, SKIP: tl.constexpr,
             UNROLL: tl.constexpr, PREFETCH: tl.constexpr, WAIT: tl.constexpr, PACKED: tl.constexpr,
-            INTERPRET: tl.constexpr, PAIRED: tl.constexpr, XPACKED: tl.constexpr = False):
+            INTERPRET: tl.constexpr, PAIRED: tl.constexpr, XPACKED: tl.constexpr = False,
+            PRELOAD: tl.constexpr = False):
     """The k loop over KW words per row. PACKED: products in bf16x2 (_word_dot; one token only).
     PREFETCH: software-pipelined by one step (step k+1's weight and scale loads, and without PACKED its
     activation loads, are issued before step k is decoded and multiplied). WAIT: pdl_wait
     between the first step's weight loads and its first activation load (kernels/pdl.py). PAIRED: the
     words are in paired order (kernels/mxfp4_layout.py). XPACKED (with PACKED): x_ptr holds int32 words
-    of bf16x2 activations (_pack_x)."""
+    of bf16x2 activations (_pack_x). PRELOAD (with PACKED): every step's weight and scale loads are issued
+    first (before WAIT's pdl_wait), all in flight at once, then multiplied step by step."""
     kw = _perm4(tl.arange(0, BKW))
-    ws, ss = _load_tiles(w_e, s_e, row0s, row_stride, srow_stride, 0, BN, BKW, R)
-    pdl_wait(WAIT)
-    if PACKED:  # one token (NT = 1), bf16x2 products: see _WORD_DOT_ASM
+    if PRELOAD:
+        wss = ()
+        sss = ()
+        for k in tl.static_range(KW // BKW):
+            ws_k, ss_k = _load_tiles(w_e, s_e, row0s, row_stride, srow_stride, k * BKW, BN, BKW, R)
+            wss = wss + (ws_k,)
+            sss = sss + (ss_k,)
+        pdl_wait(WAIT)
         base = x_ptr + x_offs[0]
-        if PREFETCH:
+        for k in tl.static_range(KW // BKW):
+            accs = _packed_step(accs, wss[k], sss[k], base, (k * BKW + kw) * 8, R, INTERPRET, PAIRED, XPACKED)
+    else:
+        ws, ss = _load_tiles(w_e, s_e, row0s, row_stride, srow_stride, 0, BN, BKW, R)
+        pdl_wait(WAIT)
+        if PACKED:  # one token (NT = 1), bf16x2 products: see _WORD_DOT_ASM
+            base = x_ptr + x_offs[0]
+            if PREFETCH:
+                for k0 in tl.range(0, KW, BKW, loop_unroll_factor=UNROLL):
+                    kn = tl.minimum(k0 + BKW, KW - BKW)  # the last step re-reads its own words (cache hits)
+                    ws_n, ss_n = _load_tiles(w_e, s_e, row0s, row_stride, srow_stride, kn, BN, BKW, R)
+                    accs = _packed_step(accs, ws, ss, base, (k0 + kw) * 8, R, INTERPRET, PAIRED, XPACKED)
+                    ws = ws_n
+                    ss = ss_n
+            else:
+                accs = _packed_step(accs, ws, ss, base, kw * 8, R, INTERPRET, PAIRED, XPACKED)
+                for k0 in tl.range(BKW, KW, BKW, loop_unroll_factor=UNROLL):
+                    ws, ss = _load_tiles(w_e, s_e, row0s, row_stride, srow_stride, k0, BN, BKW, R)
+                    accs = _packed_step(accs, ws, ss, base, (k0 + kw) * 8, R, INTERPRET, PAIRED, XPACKED)
+        elif PREFETCH:
+            xs = _load_x(x_ptr, x_offs, valid, kw * 8, NT)
             for k0 in tl.range(0, KW, BKW, loop_unroll_factor=UNROLL):
                 kn = tl.minimum(k0 + BKW, KW - BKW)  # the last step re-reads its own words (cache hits)
                 ws_n, ss_n = _load_tiles(w_e, s_e, row0s, row_stride, srow_stride, kn, BN, BKW, R)
-                accs = _packed_step(accs, ws, ss, base, (k0 + kw) * 8, R, INTERPRET, PAIRED, XPACKED)
+                xs_n = _load_x(x_ptr, x_offs, valid, (kn + kw) * 8, NT)
+                cs, scs = _decode(ws, ss, R, PAIRED)
+                accs = _fma_tokens(accs, cs, scs, xs, x_ptr, x_offs, kw, valid, NT, R, SKIP, True)
                 ws = ws_n
                 ss = ss_n
+                xs = xs_n
         else:
-            accs = _packed_step(accs, ws, ss, base, kw * 8, R, INTERPRET, PAIRED, XPACKED)
+            cs, scs = _decode(ws, ss, R, PAIRED)
+            accs = _fma_tokens(accs, cs, scs, (), x_ptr, x_offs, kw * 8, valid, NT, R, SKIP, False)
             for k0 in tl.range(BKW, KW, BKW, loop_unroll_factor=UNROLL):
                 ws, ss = _load_tiles(w_e, s_e, row0s, row_stride, srow_stride, k0, BN, BKW, R)
-                accs = _packed_step(accs, ws, ss, base, (k0 + kw) * 8, R, INTERPRET, PAIRED, XPACKED)
-    elif PREFETCH:
-        xs = _load_x(x_ptr, x_offs, valid, kw * 8, NT)
-        for k0 in tl.range(0, KW, BKW, loop_unroll_factor=UNROLL):
-            kn = tl.minimum(k0 + BKW, KW - BKW)  # the last step re-reads its own words (cache hits)
-            ws_n, ss_n = _load_tiles(w_e, s_e, row0s, row_stride, srow_stride, kn, BN, BKW, R)
-            xs_n = _load_x(x_ptr, x_offs, valid, (kn + kw) * 8, NT)
-            cs, scs = _decode(ws, ss, R, PAIRED)
-            accs = _fma_tokens(accs, cs, scs, xs, x_ptr, x_offs, kw, valid, NT, R, SKIP, True)
-            ws = ws_n
-            ss = ss_n
-            xs = xs_n
-    else:
-        cs, scs = _decode(ws, ss, R, PAIRED)
-        accs = _fma_tokens(accs, cs, scs, (), x_ptr, x_offs, kw * 8, valid, NT, R, SKIP, False)
-        for k0 in tl.range(BKW, KW, BKW, loop_unroll_factor=UNROLL):
-            ws, ss = _load_tiles(w_e, s_e, row0s, row_stride, srow_stride, k0, BN, BKW, R)
-            cs, scs = _decode(ws, ss, R, PAIRED)
-            accs = _fma_tokens(accs, cs, scs, (), x_ptr, x_offs, (k0 + kw) * 8, valid, NT, R, SKIP, False)
+                cs, scs = _decode(ws, ss, R, PAIRED)
+                accs = _fma_tokens(accs, cs, scs, (), x_ptr, x_offs, (k0 + kw) * 8, valid, NT, R, SKIP, False)
     return accs
 
 
@@ -419,6 +433,7 @@ def mxfp4_moe_stage1_kernel(
     NT: tl.constexpr, K_PAD: tl.constexpr, S_PAD: tl.constexpr, DEDUPE: tl.constexpr, PREFETCH: tl.constexpr,
     PACKED: tl.constexpr = False, INTERPRET: tl.constexpr = False, PDL: tl.constexpr = False,
     PAIRED: tl.constexpr = False, ACT_PACKED: tl.constexpr = False, X_PACKED: tl.constexpr = False,
+    PRELOAD: tl.constexpr = False,
 ):
     """ACT_PACKED: act_ptr is bf16, written as _store_act_packed lays it out for stage 2 (PACKED only).
     X_PACKED (PACKED only): x_ptr is int32 [T, H/2], x already as the bf16x2 words _pack_x builds
@@ -446,7 +461,7 @@ def mxfp4_moe_stage1_kernel(
         for r in tl.static_range(R):
             row0s = row0s + (nb * (RS * BN) + (r // 2) * BN + (r % 2) * I,)  # even r: gate rows, odd r: up rows
         accs = _stream(_zeros(NT * R, BN, BKW), w_e, s_e, row0s, HW, HG, HW, x_ptr, x_offs, valid,
-                       BN, BKW, R, NT, DEDUPE, UNROLL, PREFETCH, False, PACKED, INTERPRET, PAIRED, X_PACKED)
+                       BN, BKW, R, NT, DEDUPE, UNROLL, PREFETCH, False, PACKED, INTERPRET, PAIRED, X_PACKED, PRELOAD)
         lim = tl.where(limit > 0, limit, float("inf"))
         for t in tl.static_range(NT):
             out = act_ptr + slots[t] * I + nb * (RS * BN) + sub
@@ -469,7 +484,7 @@ def mxfp4_moe_stage2_kernel(
     BN: tl.constexpr, RS: tl.constexpr, BKW: tl.constexpr, UNROLL: tl.constexpr,
     NT: tl.constexpr, K_PAD: tl.constexpr, S_PAD: tl.constexpr, DEDUPE: tl.constexpr, PREFETCH: tl.constexpr,
     PACKED: tl.constexpr = False, INTERPRET: tl.constexpr = False, PDL: tl.constexpr = False,
-    PAIRED: tl.constexpr = False, ACT_PACKED: tl.constexpr = False,
+    PAIRED: tl.constexpr = False, ACT_PACKED: tl.constexpr = False, PRELOAD: tl.constexpr = False,
 ):
     """With PDL, the expert ids (written by the router, two or more kernels back) and the first step's
     weights are read before pdl_wait: the down weights start streaming during stage 1's tail.
@@ -496,7 +511,7 @@ def mxfp4_moe_stage2_kernel(
         for r in tl.static_range(RS):
             row0s = row0s + (nb * (RS * BN) + r * BN,)
         accs = _stream(_zeros(NT * RS, BN, BKW), w_e, s_e, row0s, IW, IG, IW, act_ptr, a_offs, valid,
-                       BN, BKW, RS, NT, DEDUPE, UNROLL, PREFETCH, PDL, PACKED, INTERPRET, PAIRED, ACT_PACKED)
+                       BN, BKW, RS, NT, DEDUPE, UNROLL, PREFETCH, PDL, PACKED, INTERPRET, PAIRED, ACT_PACKED, PRELOAD)
         for t in tl.static_range(NT):
             out = part_ptr + slots[t] * H + rows
             for r in tl.static_range(RS):
@@ -536,6 +551,8 @@ class MoeConfig:
     prefetch: bool = False  # one-step software pipelining of the k loop
     packed: bool = False  # bf16x2 products (_WORD_DOT_ASM); one token per program, so not with dedupe
     packed_act: bool = False  # stage 1 writes act as stage 2's bf16x2 words (ignored unless packed)
+    preload1: bool = False  # stage 1 issues all its weight loads before multiplying (packed only)
+    preload2: bool = False  # stage 2 likewise, all of them before its PDL wait
 
 
 # Best measured on the H200 at the Ling-3.0-flash shape (H=2560, I=768, K=8); see docs/benchmarks.md.
@@ -558,8 +575,11 @@ def moe_config(T: int, H: int, I: int) -> MoeConfig:
     one_token = T == 1 or not cfg.dedupe
     packed = one_token and os.environ.get("SPARKCHAT_MOE_PACKED", "1") != "0"
     # packed activations: H200, 2026-12-03, one-token step -0.02..-0.045 ms, 4-token verify -0.09 ms
+    preload = int(os.environ.get("SPARKCHAT_MOE_PRELOAD", "0"))  # bit 0: stage 1, bit 1: stage 2
     return replace(cfg, packed=packed,
-                   packed_act=packed and os.environ.get("SPARKCHAT_MOE_PACKED_ACT", "1") != "0")
+                   packed_act=packed and os.environ.get("SPARKCHAT_MOE_PACKED_ACT", "1") != "0",
+                   preload1=cfg.preload1 or (T == 1 and bool(preload & 1)),
+                   preload2=cfg.preload2 or (T == 1 and bool(preload & 2)))
 
 
 def pack_moe_x(x: torch.Tensor) -> torch.Tensor:
@@ -707,8 +727,9 @@ def _plan(T: int, K: int, H: int, inter: int, cfg: MoeConfig, paired: bool = Fal
         grid1=(T * K, inter // (bn1 * rs1)),
         grid2=(H // (bn2 * rs2), T * K),
         meta1=dict(common, BN=bn1, RS=rs1, BKW=bkw1, UNROLL=cfg.unroll1, num_warps=cfg.warps1,
-                   X_PACKED=x_packed and cfg.packed),
-        meta2=dict(common, BN=bn2, RS=rs2, BKW=bkw2, UNROLL=cfg.unroll2, num_warps=cfg.warps2),
+                   X_PACKED=x_packed and cfg.packed, PRELOAD=cfg.preload1 and cfg.packed),
+        meta2=dict(common, BN=bn2, RS=rs2, BKW=bkw2, UNROLL=cfg.unroll2, num_warps=cfg.warps2,
+                   PRELOAD=cfg.preload2 and cfg.packed),
     )
 
 
