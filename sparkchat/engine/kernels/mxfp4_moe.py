@@ -575,11 +575,12 @@ def moe_config(T: int, H: int, I: int) -> MoeConfig:
     one_token = T == 1 or not cfg.dedupe
     packed = one_token and os.environ.get("SPARKCHAT_MOE_PACKED", "1") != "0"
     # packed activations: H200, 2026-12-03, one-token step -0.02..-0.045 ms, 4-token verify -0.09 ms
-    preload = int(os.environ.get("SPARKCHAT_MOE_PRELOAD", "0"))  # bit 0: stage 1, bit 1: stage 2
+    preload = int(os.environ.get("SPARKCHAT_MOE_PRELOAD", "0")) if T == 1 else 0  # bit 0: stage 1, 1: stage 2
+    if preload & 1:  # measured alone on the H200 with 8 warps (4 warps: slower than no preload)
+        cfg = replace(cfg, preload1=True, warps1=8)
     return replace(cfg, packed=packed,
                    packed_act=packed and os.environ.get("SPARKCHAT_MOE_PACKED_ACT", "1") != "0",
-                   preload1=cfg.preload1 or (T == 1 and bool(preload & 1)),
-                   preload2=cfg.preload2 or (T == 1 and bool(preload & 2)))
+                   preload2=cfg.preload2 or bool(preload & 2))
 
 
 def pack_moe_x(x: torch.Tensor) -> torch.Tensor:
