@@ -106,7 +106,8 @@ def moe_loop(T: int, stage: int, packed: bool, arch: int, paired: bool = False,
     from sparkchat.engine.kernels import mxfp4_moe as m
 
     base = m.moe_config(T, H, INTER)
-    cfg = replace(base, packed=packed, dedupe=base.dedupe and not packed, packed_act=packed_act)
+    cfg = replace(base, packed=packed, dedupe=base.dedupe and not packed, packed_act=packed_act,
+                  preload1=False, preload2=False)  # the k loops (a preloaded stage has none)
     plan = m._plan(T, K, H, INTER, cfg, paired, x_packed=packed_x)
     if stage == 1:
         sig = dict(_STAGE1_SIG, x_ptr="*i32") if packed_x else _STAGE1_SIG  # x as bf16x2 words (pack_moe_x)
@@ -119,6 +120,28 @@ def moe_loop(T: int, stage: int, packed: bool, arch: int, paired: bool = False,
     warps = meta.pop("num_warps")
     sass = compile_sass(fn, sig, meta, warps, arch)
     return (None if sass is None else loop_body(sass)), rows * bkw * 8 * unroll / (32 * warps)
+
+
+def moe_loads_before_wait(stage: int, preload: bool, arch: int = 90) -> tuple[int, int] | None:
+    """(weight loads issued before the PDL wait, all global loads) in the SASS of one one-token mxfp4_moe
+    stage, tuned config with or without `preload` (None where cuobjdump cannot read the architecture).
+    The wait, griddepcontrol.wait, is ACQBULK in sm_90 SASS."""
+    from sparkchat.engine.kernels import mxfp4_moe as m
+
+    cfg = replace(m.moe_config(1, H, INTER), preload1=preload, preload2=preload)
+    plan = m._plan(1, K, H, INTER, cfg, True, x_packed=True)
+    if stage == 1:
+        fn, sig, meta = m.mxfp4_moe_stage1_kernel, dict(_STAGE1_SIG, x_ptr="*i32"), dict(plan.meta1)
+    else:
+        fn, sig, meta = m.mxfp4_moe_stage2_kernel, _STAGE2_SIG, dict(plan.meta2, HAS_ADD=True)
+    meta = {**meta, "PDL": True, "INTERPRET": False}
+    warps = meta.pop("num_warps")
+    sass = compile_sass(fn, sig, meta, warps, arch)
+    if sass is None:
+        return None
+    ops = [_op(i) for i in sass]
+    wait = ops.index("ACQBULK")
+    return ops[:wait].count("LDG"), ops.count("LDG")
 
 
 def router_sass(arch: int) -> list[str] | None:

@@ -557,8 +557,8 @@ class MoeConfig:
 
 # Best measured on the H200 at the Ling-3.0-flash shape (H=2560, I=768, K=8); see docs/benchmarks.md.
 _TUNED: dict[tuple[int, int, int], MoeConfig] = {
-    (1, 2560, 768): MoeConfig(bn1=16, rs1=1, bkw1=64, unroll1=2, warps1=4, bn2=32, rs2=1, bkw2=32, warps2=4,
-                              prefetch=True),
+    (1, 2560, 768): MoeConfig(bn1=16, rs1=1, bkw1=64, unroll1=2, warps1=8, bn2=32, rs2=1, bkw2=32, warps2=4,
+                              prefetch=True, preload1=True, preload2=True),
     (4, 2560, 768): MoeConfig(bn1=4, rs1=1, bkw1=32, unroll1=2, warps1=1, bn2=8, rs2=1, bkw2=32, warps2=1,
                               dedupe=False),
 }
@@ -570,17 +570,17 @@ def moe_config(T: int, H: int, I: int) -> MoeConfig:
     experts are re-read from L2, not HBM, when their slots run side by side). Products are bf16x2
     (`packed`) wherever a program serves one token, and stage 1 then hands stage 2 its activations
     already as bf16x2 words (`packed_act`); SPARKCHAT_MOE_PACKED=0 / SPARKCHAT_MOE_PACKED_ACT=0 turn
-    those off."""
+    those off. The one-token stages issue all their weight loads up front (`preload1`/`preload2`);
+    SPARKCHAT_MOE_PRELOAD=0 restores their k loops."""
     cfg = _TUNED.get((T, H, I)) or (MoeConfig() if T == 1 else MoeConfig(dedupe=False))
     one_token = T == 1 or not cfg.dedupe
     packed = one_token and os.environ.get("SPARKCHAT_MOE_PACKED", "1") != "0"
     # packed activations: H200, 2026-12-03, one-token step -0.02..-0.045 ms, 4-token verify -0.09 ms
-    preload = int(os.environ.get("SPARKCHAT_MOE_PRELOAD", "0")) if T == 1 else 0  # bit 0: stage 1, 1: stage 2
-    if preload & 1:  # measured alone on the H200 with 8 warps (4 warps: slower than no preload)
-        cfg = replace(cfg, preload1=True, warps1=8)
+    if cfg.preload1 and os.environ.get("SPARKCHAT_MOE_PRELOAD", "1") == "0":
+        # the loop form, as tuned before preloading (its 8 warps serve the preloaded body)
+        cfg = replace(cfg, preload1=False, preload2=False, warps1=4)
     return replace(cfg, packed=packed,
-                   packed_act=packed and os.environ.get("SPARKCHAT_MOE_PACKED_ACT", "1") != "0",
-                   preload2=cfg.preload2 or bool(preload & 2))
+                   packed_act=packed and os.environ.get("SPARKCHAT_MOE_PACKED_ACT", "1") != "0")
 
 
 def pack_moe_x(x: torch.Tensor) -> torch.Tensor:
