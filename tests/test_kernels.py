@@ -188,6 +188,34 @@ def test_mxfp4_moe_gpu(shape, T, repeat, limit, dedupe, prefetch, packed):
 
 
 @gpu
+@pytest.mark.parametrize("paired", [False, True])
+def test_mxfp4_moe_tuned_one_token_preloaded_gpu(paired, monkeypatch):
+    """The engine's one-token config at the Ling shape (both stages preloaded, mxfp4_moe._TUNED) against
+    the twin and against its k-loop form (SPARKCHAT_MOE_PRELOAD=0), with the shared expert's add."""
+    from sparkchat.engine.kernels.mxfp4_layout import permute_words_
+    from sparkchat.engine.kernels.mxfp4_moe import moe_config, mxfp4_moe, pack_moe_x
+    gen = torch.Generator().manual_seed(7)
+    w13, s13, w2, s2 = make_experts(16, 2560, 768, "cuda", gen)
+    a13, a2 = (permute_words_(w13.clone()), permute_words_(w2.clone())) if paired else (w13, w2)
+    preloaded = moe_config(1, 2560, 768)
+    assert preloaded.preload1 and preloaded.preload2
+    monkeypatch.setenv("SPARKCHAT_MOE_PRELOAD", "0")
+    looped = moe_config(1, 2560, 768)
+    assert not (looped.preload1 or looped.preload2)
+    for _ in range(3):
+        ids, wts = make_routing(1, 8, 16, 0, gen)
+        ids, wts = ids.cuda(), wts.cuda()
+        x = torch.randn(1, 2560, generator=gen).bfloat16().cuda()
+        shared = torch.randn(1, 2560, generator=gen).bfloat16().cuda()
+        want = ref.mxfp4_moe_reference(x, ids, wts, w13, s13, w2, s2, 4.0)
+        got = mxfp4_moe(x, ids, wts, a13, s13, a2, s2, 4.0, config=preloaded, paired=paired, x_packed=pack_moe_x(x))
+        loop = mxfp4_moe(x, ids, wts, a13, s13, a2, s2, 4.0, config=looped, paired=paired, x_packed=pack_moe_x(x))
+        assert rel_err(got, want) < 1e-2 and rel_err(got, loop) < 2e-3
+        added = mxfp4_moe(x, ids, wts, a13, s13, a2, s2, 4.0, config=preloaded, paired=paired, add=shared)
+        assert rel_err(added, want.float() + shared.float()) < 1e-2
+
+
+@gpu
 def test_mxfp4_moe_int64_ids_and_defaults():
     from sparkchat.engine.kernels.mxfp4_moe import mxfp4_moe
     gen = torch.Generator().manual_seed(3)
