@@ -26,7 +26,8 @@ several tokens is fetched from HBM once and re-read from L2.
 Layout: weight words and their per-word scale bytes are loaded flat and reshaped to [rows, words] with
 lanes along the words (one 128-byte line per warp load) and rows in registers, so each activation
 value is loaded once per thread and reused across its rows. Configs: MoeConfig / moe_config; the
-`prefetch` option software-pipelines the k loop by one step (each step's words are loaded a step ahead).
+`prefetch` option software-pipelines the k loop by one step (each step's words are loaded a step ahead);
+`preload1`/`preload2` (the one-token default) unroll it and load every step's words before multiplying.
 """
 
 from __future__ import annotations
@@ -337,8 +338,9 @@ def _stream(accs, w_e, s_e, row0s, row_stride, srow_stride, KW: tl.constexpr, x_
     activation loads, are issued before step k is decoded and multiplied). WAIT: pdl_wait
     between the first step's weight loads and its first activation load (kernels/pdl.py). PAIRED: the
     words are in paired order (kernels/mxfp4_layout.py). XPACKED (with PACKED): x_ptr holds int32 words
-    of bf16x2 activations (_pack_x). PRELOAD (with PACKED): every step's weight and scale loads are issued
-    first (before WAIT's pdl_wait), all in flight at once, then multiplied step by step."""
+    of bf16x2 activations (_pack_x). PRELOAD (with PACKED): every step's weight and scale loads come first
+    in program order (before WAIT's pdl_wait), then the steps' multiplies; ptxas still interleaves some
+    loads with the multiplies (stage 1), while a stage 2's land before its wait (sm_90 SASS, test_sass)."""
     kw = _perm4(tl.arange(0, BKW))
     if PRELOAD:
         wss = ()
