@@ -10,8 +10,8 @@ goes when the GPU waits for launches.
 With --timeline it traces replays of the graphed decode step and prints, per kernel, its count and
 time inside the graph, and how much of the step no kernel was running (the gaps PDL cannot hide).
 With --draft it does the same for a greedy MTP draft of 3 tokens (one graph), each kernel in order.
-With --switch NAME it alternates one environment switch on and off (NAME=VALUE: VALUE and 0), timing the
-graphed step each time.
+With --switch NAME it alternates one environment switch on and off (NAME=VALUE: VALUE and 0; NAME=V1,V2:
+each value, then 0), timing the graphed step each time.
 With --ab it times the graphed decode step with programmatic dependent launch (kernels/pdl.py), the
 shared expert's side stream (engine/streams.py) and the MoE's bf16x2 products (kernels/mxfp4_moe.py)
 all on, each off alone, and all off.
