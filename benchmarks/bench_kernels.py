@@ -205,6 +205,7 @@ def bench_moe(rec: Recorder, layer, sweep: bool) -> dict:
           # every weight load of a program issued before its multiplies (stage 2: before its PDL wait)
           replace(d, preload1=True), replace(d, preload2=True), replace(d, preload1=True, preload2=True),
           replace(d, preload1=True, bn1=8), replace(d, preload1=True, warps1=8)]
+    listed = len(c1)
     if sweep:  # wider k steps over fewer rows (what won for the FP8 GEMVs), fewer warps
         c1 += [MoeConfig(rs1=1, unroll1=2, prefetch=True),
                MoeConfig(bn1=8, rs1=1, bkw1=64, warps1=2, bn2=8, rs2=1, bkw2=32, warps2=2),
@@ -215,7 +216,7 @@ def bench_moe(rec: Recorder, layer, sweep: bool) -> dict:
                MoeConfig(bn1=4, rs1=2, bkw1=64, warps1=2, bn2=4, rs2=2, bkw2=32, warps2=1),
                MoeConfig(bn1=8, rs1=1, bkw1=64, warps1=2, bn2=8, rs2=1, bkw2=32, warps2=2, prefetch=True)]
     # sweep candidates serve one token per program (T=1, or no dedupe): bf16x2 products, as the engine runs them
-    c1 = c1[:11] + [replace(c, packed=True, packed_act=d.packed_act) for c in c1[11:]]
+    c1 = c1[:listed] + [replace(c, packed=True, packed_act=d.packed_act) for c in c1[listed:]]
     case(1, 0, 16, "T=1 (8 experts)", c1, baseline=True)
     d4 = moe_config(4, H, INTER)
     c4 = [d4, replace(d4, packed=not d4.packed), MoeConfig(dedupe=False, prefetch=True),

@@ -51,12 +51,12 @@ def stream_read_kernel(src_ptr, out_ptr, n, BLOCK: tl.constexpr, STEPS: tl.const
     tl.store(out_ptr + p, tl.sum(acc, axis=0))
 
 
-def read_us(bufs: list[torch.Tensor], out: torch.Tensor, block: int, steps: int, warps: int, pdl: bool = True) -> float:
-    n = bufs[0].numel()
-    grid = (triton.cdiv(n, block * steps),)
-    extra = pdl_args(bufs[0].device) if pdl else {}
-    return graph_us([lambda b=b: stream_read_kernel[grid](b, out, n, BLOCK=block, STEPS=steps, num_warps=warps,
-                                                          **extra) for b in bufs])
+def launch(buf: torch.Tensor, out: torch.Tensor, cfg: tuple[int, int, int], pdl: bool = True) -> None:
+    """One read of buf with config (block words, steps, warps)."""
+    block, steps, warps = cfg
+    n = buf.numel()
+    stream_read_kernel[(triton.cdiv(n, block * steps),)](buf, out, n, BLOCK=block, STEPS=steps, num_warps=warps,
+                                                         **(pdl_args(buf.device) if pdl else {}))
 
 
 def main() -> None:
@@ -71,7 +71,7 @@ def main() -> None:
         n = int(mb * 1e6) // 4 // 4096 * 4096  # whole 16-byte vectors: the loads vectorize
         copies = max(2, int(256 / mb) + 1)
         bufs = [torch.randint(0, 1 << 30, (n,), dtype=torch.int32, device="cuda") for _ in range(copies)]
-        times = {cfg: read_us(bufs, out, *cfg) for cfg in CONFIGS}
+        times = {cfg: graph_us([lambda b=b, cfg=cfg: launch(b, out, cfg) for b in bufs]) for cfg in CONFIGS}
         (block, steps, warps), best = min(times.items(), key=lambda kv: kv[1])
         t_sum = graph_us([lambda b=b: b.sum() for b in bufs])
         gbps = n * 4 / best / 1e3
@@ -90,12 +90,8 @@ def main() -> None:
         copies = 10
         b1 = [torch.randint(0, 1 << 30, (n1,), dtype=torch.int32, device="cuda") for _ in range(copies)]
         b2 = [torch.randint(0, 1 << 30, (n2,), dtype=torch.int32, device="cuda") for _ in range(copies)]
-        best = min(
-            graph_us([lambda i=i, c=c: (stream_read_kernel[(triton.cdiv(n1, c[0] * c[1]),)](
-                b1[i], out, n1, BLOCK=c[0], STEPS=c[1], num_warps=c[2], **(pdl_args(out.device) if pdl else {})),
-                stream_read_kernel[(triton.cdiv(n2, c[0] * c[1]),)](
-                b2[i], out, n2, BLOCK=c[0], STEPS=c[1], num_warps=c[2], **(pdl_args(out.device) if pdl else {})))
-                for i in range(copies)]) for c in ((2048, 2, 4), (2048, 4, 8), (1024, 4, 4)))
+        best = min(graph_us([lambda i=i, c=c: (launch(b1[i], out, c, pdl), launch(b2[i], out, c, pdl))
+                             for i in range(copies)]) for c in ((2048, 2, 4), (2048, 4, 8), (1024, 4, 4)))
         gbps = (n1 + n2) * 4 / best / 1e3
         pairs.append({"pdl": pdl, "us": round(best, 2), "pct_read_bw": round(100 * gbps / bw, 1)})
         print(f"  two reads back to back (16.7 + 8.4 MB), PDL {'on' if pdl else 'off'}: {best:.2f} us, "

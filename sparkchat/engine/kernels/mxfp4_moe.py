@@ -578,9 +578,9 @@ def moe_config(T: int, H: int, I: int) -> MoeConfig:
     one_token = T == 1 or not cfg.dedupe
     packed = one_token and os.environ.get("SPARKCHAT_MOE_PACKED", "1") != "0"
     # packed activations: H200, 2026-12-03, one-token step -0.02..-0.045 ms, 4-token verify -0.09 ms
-    if cfg.preload1 and os.environ.get("SPARKCHAT_MOE_PRELOAD", "1") == "0":
-        # the loop form, as tuned before preloading (its 8 warps serve the preloaded body)
-        cfg = replace(cfg, preload1=False, preload2=False, warps1=4)
+    if (cfg.preload1 or cfg.preload2) and os.environ.get("SPARKCHAT_MOE_PRELOAD", "1") == "0":
+        # the k loops; stage 1's loop was tuned with 4 warps (its 8 serve the preloaded body)
+        cfg = replace(cfg, preload1=False, preload2=False, warps1=4 if cfg.preload1 else cfg.warps1)
     return replace(cfg, packed=packed,
                    packed_act=packed and os.environ.get("SPARKCHAT_MOE_PACKED_ACT", "1") != "0")
 
