@@ -220,7 +220,15 @@ def bench_moe(rec: Recorder, layer, sweep: bool) -> dict:
     case(1, 0, 16, "T=1 (8 experts)", c1, baseline=True)
     d4 = moe_config(4, H, INTER)
     c4 = [d4, replace(d4, packed=not d4.packed), MoeConfig(dedupe=False, prefetch=True),
-          MoeConfig(rs1=1, rs2=1, dedupe=True), replace(d4, packed_act=not d4.packed_act)]
+          MoeConfig(rs1=1, rs2=1, dedupe=True), replace(d4, packed_act=not d4.packed_act),
+          # each slot's loads up front, as at one token: 40 words a thread in stage 1, 24 in stage 2
+          replace(d4, preload2=True),
+          replace(d4, preload1=True, preload2=True, bn1=2, bkw1=64, unroll1=1),
+          replace(d4, preload1=True, preload2=True, bn1=4, bkw1=64, unroll1=1, warps1=2),
+          replace(d4, preload1=True, preload2=True, bn1=8, bkw1=64, unroll1=1, warps1=4),
+          replace(d4, preload1=True, preload2=True, bn1=16, bkw1=64, unroll1=1, warps1=8),
+          replace(d4, preload1=True, preload2=True, bn1=4, bkw1=64, unroll1=1, warps1=2, bn2=16, warps2=2)]
+    listed4 = len(c4)
     if sweep:
         c4 += [MoeConfig(bn1=8, rs1=1, bkw1=64, warps1=2, bn2=8, rs2=1, bkw2=32, warps2=2, dedupe=False),
                MoeConfig(bn1=8, rs1=1, bkw1=128, warps1=4, bn2=8, rs2=1, bkw2=32, warps2=2, dedupe=False),
@@ -230,7 +238,7 @@ def bench_moe(rec: Recorder, layer, sweep: bool) -> dict:
                MoeConfig(bn1=4, rs1=1, bkw1=32, unroll1=2, warps1=1, bn2=8, rs2=1, bkw2=32, warps2=1, dedupe=False),
                MoeConfig(bn1=4, rs1=2, bkw1=64, warps1=2, bn2=4, rs2=1, bkw2=32, warps2=1, dedupe=False),
                MoeConfig(bn1=4, rs1=1, bkw1=64, unroll1=2, warps1=1, bn2=16, rs2=1, bkw2=32, warps2=2, dedupe=False)]
-    c4 = c4[:5] + [replace(c, packed=not c.dedupe, packed_act=d4.packed_act) for c in c4[5:]]
+    c4 = c4[:listed4] + [replace(c, packed=not c.dedupe, packed_act=d4.packed_act) for c in c4[listed4:]]
     case(4, 0, 8, "T=4 random routing", c4, baseline=True)
     case(4, 4, 8, "T=4 half repeated", c4)
     case(5, 0, 6, "T=5 random routing", c4[:2])

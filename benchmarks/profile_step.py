@@ -1,6 +1,6 @@
 """Profile one decode step at Ling-3.0-flash-fp4's full shapes (synthetic weights): where the time goes.
 
-    python benchmarks/profile_step.py [--layers N] [--no-compile] [--prefill N | --timeline [--tokens T]
+    python benchmarks/profile_step.py [--layers N] [--no-compile] [--prefill N | --timeline [--tokens T] [--sequence]
                                       | --draft | --switch NAME | --ab | --knockout
                                       | --loop-switch NAME]
 
@@ -8,7 +8,8 @@ With --prefill N it profiles the prefill of an N-token prompt instead (eager, as
 with --host as well, it profiles the host's Python instead (cProfile): where a short prompt's time
 goes when the GPU waits for launches.
 With --timeline it traces replays of the graphed decode step and prints, per kernel, its count and
-time inside the graph, and how much of the step no kernel was running (the gaps PDL cannot hide).
+time inside the graph, and how much of the step no kernel was running (the gaps PDL cannot hide);
+--sequence lists every kernel in start order as well.
 With --draft it does the same for a greedy MTP draft of 3 tokens (one graph), each kernel in order.
 With --switch NAME it alternates one environment switch on and off (NAME=VALUE: VALUE and 0; NAME=V1,V2:
 each value, then 0), timing the graphed step each time.
@@ -47,6 +48,7 @@ def main() -> None:
     ap.add_argument("--host", action="store_true", help="--prefill: profile the host's Python (cProfile)")
     ap.add_argument("--timeline", action="store_true", help="per-kernel times inside the graphed step")
     ap.add_argument("--tokens", type=int, default=1, help="--timeline: a verify of this many tokens instead")
+    ap.add_argument("--sequence", action="store_true", help="--timeline: every kernel in start order as well")
     ap.add_argument("--draft", action="store_true", help="each kernel of a greedy 3-draft chain (MTP)")
     ap.add_argument("--switch", default=None, help="time the graphed step with this env switch 1/0 alternated")
     ap.add_argument("--rounds", type=int, default=3, help="--switch: rounds of on, off")
@@ -77,7 +79,7 @@ def main() -> None:
         alternate_loop(model, state, None)
         return
     if args.timeline:
-        graph_timeline(model, state, args.tokens)
+        graph_timeline(model, state, args.tokens, sequence=args.sequence)
         return
     if args.draft:
         draft_timeline(model, state)
@@ -175,13 +177,75 @@ def _print_kernels(kernels: list[dict], label: str, sequence: bool = False) -> N
         print(f"{sum(durs):8.1f} {len(durs):6d} {sum(durs) / len(durs):8.2f}  {name[:90]}")
 
 
-def graph_timeline(model, state: ConversationState, tokens: int = 1, replays: int = 5) -> None:
+def gemv_roles(names: list[str]) -> list[str]:
+    """Kernel names in start order -> the same, each fp8_gemv_kernel named by its place in a decoder layer
+    (the engine's order): after the add+norm that opens a layer, the attention's input projection; after
+    the attention (kda_decode / mla_combine_unfold), its output projection; after the next add+norm, the
+    router logits, shared expert gate|up and down in issue order where a route_kernel follows (a MoE
+    layer), else the dense MLP's gate|up and down; the step's last GEMV, the head."""
+    roles = list(names)
+    phase, ffn = "layer", []
+    moe = ("gemv router logits", "gemv shared gate|up", "gemv shared down")
+    dense = ("gemv mlp gate|up", "gemv mlp down")
+
+    def close_ffn(is_moe: bool) -> None:
+        for j, i in enumerate(ffn):
+            roles[i] = (moe if is_moe else dense)[min(j, 2 if is_moe else 1)]
+
+    for i, name in enumerate(names):
+        if name.startswith("fp8_gemv"):
+            if phase in ("ffn", "moe"):
+                ffn.append(i)
+            else:
+                roles[i] = "gemv attention input" if phase == "layer" else "gemv attention output"
+        elif name.startswith("splitk_add_norm"):
+            if phase == "attention":
+                phase, ffn = "ffn", []
+            else:
+                close_ffn(False) if phase == "ffn" and ffn else None
+                phase = "layer"
+        elif name.startswith(("kda_decode", "mla_combine_unfold")):
+            phase = "attention"
+        elif name.startswith("route_kernel") and phase == "ffn":
+            phase = "moe"
+        elif name.startswith("mxfp4_moe_stage2") and phase == "moe":
+            close_ffn(True)
+            phase = "moe done"
+    last = max((i for i, n in enumerate(names) if n.startswith("fp8_gemv")), default=None)
+    if last is not None:
+        roles[last] = "gemv head"
+    return roles
+
+
+def exposed_us(spans: list[tuple[float, float, str]]) -> dict[str, tuple[float, int]]:
+    """(start, end, label) spans -> per label (exposed us, calls): the step's wall time cut at every
+    kernel's end, each slice (an idle gap too) credited to the kernel ending it. The slices sum to the
+    wall time; a kernel that overlaps others (PDL, the side stream) is credited only with what it adds
+    at its end, an estimate of its share of the critical path."""
+    out: dict[str, list] = {}
+    done = min(s for s, _, _ in spans)
+    for start, end, label in sorted(spans, key=lambda x: x[1]):
+        row = out.setdefault(label, [0.0, 0])
+        row[0] += max(0.0, end - done)
+        row[1] += 1
+        done = max(done, end)
+    return {k: (v[0], v[1]) for k, v in out.items()}
+
+
+def graph_timeline(model, state: ConversationState, tokens: int = 1, replays: int = 5,
+                   sequence: bool = False) -> None:
     """Per kernel name, the calls and summed duration inside one graphed step, and the step's wall time
-    against the union of busy time."""
+    against the union of busy time; with `sequence`, every kernel in start order first."""
     state.token_ids = [0] * 1024
     graphed = Decoder(model, state, StepGraphs(model, state))
     kernels = _last_replay_kernels(lambda: graphed.forward([1] * tokens, keep_steps=tokens > 1), replays)
-    _print_kernels(kernels, f"{tokens}-token step")
+    _print_kernels(kernels, f"{tokens}-token step", sequence=sequence)
+    roles = gemv_roles([e["name"] for e in kernels])
+    spans = [(e["ts"], e["ts"] + e["dur"], role[:60]) for e, role in zip(kernels, roles)]
+    print("exposed time (the wall cut at each kernel's end, each slice credited to the kernel ending it):")
+    print(f"{'us':>8} {'calls':>6} {'us/call':>8}  kernel (GEMVs by their place in the layer)")
+    for label, (us, calls) in sorted(exposed_us(spans).items(), key=lambda kv: -kv[1][0]):
+        print(f"{us:8.1f} {calls:6d} {us / calls:8.2f}  {label}")
 
 
 def draft_timeline(model, state: ConversationState, k: int = 3, rows: int = 32768) -> None:
