@@ -204,7 +204,13 @@ def bench_moe(rec: Recorder, layer, sweep: bool) -> dict:
           replace(d, packed_act=not d.packed_act),  # stage 1 writing stage 2's bf16x2 activation words or not
           # every weight load of a program issued before its multiplies (stage 2: before its PDL wait)
           replace(d, preload1=True), replace(d, preload2=True), replace(d, preload1=True, preload2=True),
-          replace(d, preload1=True, bn1=8), replace(d, preload1=True, warps1=8)]
+          replace(d, preload1=True, bn1=8), replace(d, preload1=True, warps1=8),
+          # stage 1 in 16-byte loads, whole groups a thread, every load in front (vec1), with and without
+          # the register cap that fits 3 programs an SM
+          replace(d, vec1=True, bn1=16, bkw1=64, warps1=8, maxnreg1=80),
+          replace(d, vec1=True, bn1=16, bkw1=64, warps1=8),
+          replace(d, vec1=True, bn1=8, bkw1=64, warps1=4, maxnreg1=80),
+          replace(d, vec1=True, bn1=16, bkw1=32, warps1=8, maxnreg1=80)]
     listed = len(c1)
     if sweep:  # wider k steps over fewer rows (what won for the FP8 GEMVs), fewer warps
         c1 += [MoeConfig(rs1=1, unroll1=2, prefetch=True),
@@ -227,7 +233,10 @@ def bench_moe(rec: Recorder, layer, sweep: bool) -> dict:
           replace(d4, preload1=True, preload2=True, bn1=4, bkw1=64, unroll1=1, warps1=2),
           replace(d4, preload1=True, preload2=True, bn1=8, bkw1=64, unroll1=1, warps1=4),
           replace(d4, preload1=True, preload2=True, bn1=16, bkw1=64, unroll1=1, warps1=8),
-          replace(d4, preload1=True, preload2=True, bn1=4, bkw1=64, unroll1=1, warps1=2, bn2=16, warps2=2)]
+          replace(d4, preload1=True, preload2=True, bn1=4, bkw1=64, unroll1=1, warps1=2, bn2=16, warps2=2),
+          replace(d4, vec1=True, bn1=4, bkw1=64, warps1=2, maxnreg1=80),
+          replace(d4, vec1=True, bn1=8, bkw1=64, warps1=4, maxnreg1=80),
+          replace(d4, vec1=True, bn1=4, bkw1=64, warps1=2, maxnreg1=80, preload2=True)]
     listed4 = len(c4)
     if sweep:
         c4 += [MoeConfig(bn1=8, rs1=1, bkw1=64, warps1=2, bn2=8, rs2=1, bkw2=32, warps2=2, dedupe=False),

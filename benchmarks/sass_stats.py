@@ -31,13 +31,16 @@ CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuob
 H, INTER, K, E = 2560, 768, 8, 512
 
 
-def compile_kernel(fn, signature: dict, constexprs: dict, warps: int, arch: int, stages: int | None = None):
+def compile_kernel(fn, signature: dict, constexprs: dict, warps: int, arch: int, stages: int | None = None,
+                   maxnreg: int | None = None):
     """fn compiled for sm_<arch> (its .asm holds "ptx" and "cubin", .metadata.shared its shared memory),
     pointers marked 16-byte aligned."""
     sig = {**signature, **{k: "constexpr" for k in constexprs}}
     pointers = [i for i, v in enumerate(signature.values()) if v.startswith("*")]
     attrs = {(i,): [["tt.divisibility", 16]] for i in pointers}
     options = {"num_warps": warps} if stages is None else {"num_warps": warps, "num_stages": stages}
+    if maxnreg is not None:
+        options["maxnreg"] = maxnreg
     return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs),
                           target=GPUTarget("cuda", arch, 32), options=options)
 
@@ -142,6 +145,31 @@ def moe_loads_before_wait(stage: int, preload: bool, arch: int = 90) -> tuple[in
     ops = [_op(i) for i in sass]
     wait = ops.index("ACQBULK")
     return ops[:wait].count("LDG"), ops.count("LDG")
+
+
+def moe_vec_stage1(arch: int = 90, fence: bool = True) -> tuple[dict, int | None] | None:
+    """The one-token stage 1 in 16-byte loads (MoeConfig.vec1, as the bench lists it: 16 gate rows, 64
+    words a step, 8 warps, 80 registers): (per load kind, [before its first bf16x2 FMA, after it], and
+    "STL": [spill stores, 0]; registers), or None where cuobjdump cannot read the architecture.
+    fence=False drops the warp barrier that keeps the loads in front (_issue_fence)."""
+    from sparkchat.engine.kernels import mxfp4_moe as m
+
+    cfg = replace(m.moe_config(1, H, INTER), vec1=True, bn1=16, bkw1=64, warps1=8, maxnreg1=80)
+    plan = m._plan(1, K, H, INTER, cfg, True, x_packed=True)
+    meta = {**plan.meta1, "PDL": True, "INTERPRET": False, "FENCE": fence}
+    warps, maxnreg = meta.pop("num_warps"), meta.pop("maxnreg", None)
+    fn = m.mxfp4_moe_stage1_vec_kernel
+    kernel = compile_kernel(fn, dict(_STAGE1_SIG, x_ptr="*i32", act_ptr="*bf16"), meta, warps, arch, maxnreg=maxnreg)
+    sass = disassemble(kernel, fn.__name__)
+    if sass is None:
+        return None
+    first = next(i for i, ins in enumerate(sass) if _op(ins) == "HFMA2")
+    kinds: dict[str, list[int]] = {"STL": [sum(_op(ins) == "STL" for ins in sass), 0]}  # spills
+    for i, ins in enumerate(sass):
+        if _op(ins) == "LDG":
+            kind = (ins.split()[1] if ins.startswith("@") else ins.split()[0])
+            kinds.setdefault(kind, [0, 0])[i > first] += 1
+    return kinds, registers(kernel, fn.__name__)
 
 
 def router_sass(arch: int) -> list[str] | None:

@@ -216,6 +216,30 @@ def test_mxfp4_moe_tuned_one_token_preloaded_gpu(paired, monkeypatch):
 
 
 @gpu
+@pytest.mark.parametrize("T", [1, 4])
+def test_mxfp4_moe_vectorized_stage1_gpu(T):
+    """Stage 1 in 16-byte loads (MoeConfig.vec1, the register cap the bench times) at the Ling shape, paired
+    words, the input in planes as the add+norm writes it: against the twin and the packed k loop."""
+    from dataclasses import replace
+
+    from sparkchat.engine.kernels.mxfp4_layout import permute_words_
+    from sparkchat.engine.kernels.mxfp4_moe import moe_config, mxfp4_moe, pack_moe_x
+    gen = torch.Generator().manual_seed(11)
+    w13, s13, w2, s2 = make_experts(40, 2560, 768, "cuda", gen)
+    a13, a2 = permute_words_(w13.clone()), permute_words_(w2.clone())
+    tuned = moe_config(T, 2560, 768)
+    vec = replace(tuned, vec1=True, bn1=16 if T == 1 else 4, bkw1=64, warps1=8 if T == 1 else 2, maxnreg1=80)
+    for _ in range(2):
+        ids, wts = make_routing(T, 8, 40, 0, gen)
+        ids, wts = ids.cuda(), wts.cuda()
+        x = torch.randn(T, 2560, generator=gen).bfloat16().cuda()
+        want = ref.mxfp4_moe_reference(x, ids, wts, w13, s13, w2, s2, 4.0)
+        got = mxfp4_moe(x, ids, wts, a13, s13, a2, s2, 4.0, config=vec, paired=True, x_packed=pack_moe_x(x))
+        loop = mxfp4_moe(x, ids, wts, a13, s13, a2, s2, 4.0, config=tuned, paired=True, x_packed=pack_moe_x(x))
+        assert rel_err(got, want) < 1e-2 and rel_err(got, loop) < 2e-3
+
+
+@gpu
 def test_mxfp4_moe_int64_ids_and_defaults():
     from sparkchat.engine.kernels.mxfp4_moe import mxfp4_moe
     gen = torch.Generator().manual_seed(3)
@@ -504,6 +528,34 @@ def _run_interpreted(script: str) -> None:
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 def test_kernels_under_triton_interpreter():
     _run_interpreted(_INTERPRET_SCRIPT)
+
+
+_MOE_X_SCRIPT = textwrap.dedent("""
+    import torch
+    from sparkchat.engine.kernels.mxfp4_moe import MoeConfig, mxfp4_moe, pack_moe_x
+    from tests.test_kernels import make_experts, make_routing, rel_err
+    gen = torch.Generator().manual_seed(0)
+    w13, s13, w2, s2 = make_experts(6, 64, 32, gen=gen)
+    for T, repeat in ((1, 0), (2, 1)):
+        ids, wts = make_routing(T, 4, 6, repeat, gen)
+        x = torch.randn(T, 64, generator=gen).bfloat16()
+        cfg = MoeConfig(bn1=8, rs1=1, bkw1=4, bn2=16, rs2=2, bkw2=4, dedupe=False, packed=True, packed_act=True)
+        step = mxfp4_moe(x, ids, wts, w13, s13, w2, s2, 0.02, config=cfg)
+        xp = pack_moe_x(x)
+        assert torch.equal(step, mxfp4_moe(x, ids, wts, w13, s13, w2, s2, 0.02, config=cfg, x_packed=xp)), T
+        vec = MoeConfig(**{**cfg.__dict__, "vec1": True})
+        assert rel_err(mxfp4_moe(x, ids, wts, w13, s13, w2, s2, 0.02, config=vec, x_packed=xp), step) < 1e-3, T
+        if T == 1:  # x packed in the kernel itself
+            assert rel_err(mxfp4_moe(x, ids, wts, w13, s13, w2, s2, 0.02, config=vec), step) < 1e-3
+    print("interpreter ok")
+""")
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+def test_moe_input_planes_and_vectorized_stage1_under_triton_interpreter():
+    """The MoE input in planes (pack_moe_x, read by the packed stage 1) and stage 1 in 16-byte loads
+    (MoeConfig.vec1) give the packed k loop's result."""
+    _run_interpreted(_MOE_X_SCRIPT)
 
 
 _MMA_SCRIPT = textwrap.dedent("""

@@ -48,6 +48,20 @@ def test_preloaded_moe_stage2_streams_its_weights_before_the_pdl_wait():
     assert before >= 2 * loop_before and before >= 0.6 * total, (before, total, loop_before)
 
 
+def test_vectorized_moe_stage1_issues_its_weight_and_scale_loads_first():
+    """Stage 1 in 16-byte loads (MoeConfig.vec1): behind its warp barrier every weight (10 LDG.128 a
+    thread) and scale load (10 LDG.U8) comes before the first bf16x2 FMA, within the 80-register cap
+    (3 programs of 8 warps an SM), spilling little; without the barrier ptxas moves the scale loads
+    behind the multiplies (measured on sm_90: 14 / 10 wide / byte loads in front with it, 11 / 0 without)."""
+    s = _tools()
+    kinds, regs = s.moe_vec_stage1(90)
+    assert kinds["LDG.E.U8"] == [10, 0] and kinds["LDG.E.128"][0] >= 10 and regs <= 80, (kinds, regs)
+    assert kinds["STL"][0] <= 8, kinds
+    unfenced, _ = s.moe_vec_stage1(90, fence=False)
+    assert unfenced["LDG.E.U8"][0] < 10, unfenced
+    s.moe_vec_stage1(121)  # compiles for the DGX Spark (its SASS is not readable by the bundled cuobjdump)
+
+
 def test_verify_gemv_uses_each_targets_tensor_cores():
     """The tensor-core GEMV becomes wgmma on the H200 and mma.sync on the Spark's sm_121a (no
     Hopper-only instruction there), with the one-instruction e4m3x2 -> f16x2 conversion on both, and its

@@ -169,23 +169,28 @@ def _bf16_round(v):
 
 
 @triton.jit
-def _pack_x(base, offs, INTERPRET: tl.constexpr, XPACKED: tl.constexpr = False):
-    """The 8 activations of each word column at base + offs (offs = 8 * word) as 4 bf16x2 int32 [BKW]:
+def _pack_x(base, word, INTERPRET: tl.constexpr, XPACKED: tl.constexpr = False, PLANE: tl.constexpr = 0):
+    """The 8 activations of each word column `word` (at base + 8 * word) as 4 bf16x2 int32 [BKW]:
     x[i] * 2^100 in the low half, x[i + 4] * 2^100 in the high half. The interpreter gets the scaled
     values as 8 fp32 [BKW], rounded to bf16, instead. XPACKED: base points at int32 words already in
-    that form (stage 1's packed act, _store_act_packed), 4 per column: just loaded."""
+    that form, just loaded: 4 per column side by side (stage 1's packed act, _store_act_packed), or with
+    PLANE > 0 in 4 planes of PLANE words (the MoE input, _store_moe_x), so that a warp's loads of one
+    component over consecutive columns are consecutive words."""
     out = ()
     if XPACKED:
         for i in tl.static_range(4):
-            w = tl.load(base + offs // 2 + i)
+            if PLANE > 0:
+                w = tl.load(base + i * PLANE + word)
+            else:
+                w = tl.load(base + word * 4 + i)
             if INTERPRET:
                 out = out + ((w << 16).to(tl.float32, bitcast=True), (w & _HI16).to(tl.float32, bitcast=True))
             else:
                 out = out + (w,)
     else:
         for i in tl.static_range(4):
-            lo = tl.load(base + offs + i).to(tl.float32) * _X_SCALE
-            hi = tl.load(base + offs + i + 4).to(tl.float32) * _X_SCALE
+            lo = tl.load(base + word * 8 + i).to(tl.float32) * _X_SCALE
+            hi = tl.load(base + word * 8 + i + 4).to(tl.float32) * _X_SCALE
             if INTERPRET:
                 out = out + (_bf16_round(lo), _bf16_round(hi))
             else:
@@ -220,10 +225,10 @@ def _word_dot(w, xp, INTERPRET: tl.constexpr, PAIRED: tl.constexpr):
 
 
 @triton.jit
-def _packed_step(accs, ws, ss, base, offs, R: tl.constexpr, INTERPRET: tl.constexpr, PAIRED: tl.constexpr,
-                 XPACKED: tl.constexpr):
-    """accs[r] += scale * (word tile r . activations at base + offs), products in bf16x2."""
-    xp = _pack_x(base, offs, INTERPRET, XPACKED)
+def _packed_step(accs, ws, ss, base, word, R: tl.constexpr, INTERPRET: tl.constexpr, PAIRED: tl.constexpr,
+                 XPACKED: tl.constexpr, PLANE: tl.constexpr = 0):
+    """accs[r] += scale * (word tile r . the activations of word columns `word`), products in bf16x2."""
+    xp = _pack_x(base, word, INTERPRET, XPACKED, PLANE)
     new = ()
     for r in tl.static_range(R):
         new = new + (accs[r] + _word_dot(ws[r], xp, INTERPRET, PAIRED) * _e8m0_scale(ss[r]),)
@@ -236,6 +241,18 @@ def _store_act_packed(base, rows, v, mask, INTERPRET: tl.constexpr):
     8j + 2(q % 4) + q // 4, so that stage 2 reads each int32 at 8j + 2i as the bf16x2 (act[8j + i],
     act[8j + i + 4]) its _pack_x would build — half the bytes, no conversions in its k loop."""
     dest = (rows // 8) * 8 + (rows % 4) * 2 + (rows % 8) // 4
+    v = v * _X_SCALE
+    if INTERPRET:
+        v = _bf16_round(v)  # exact in bf16 now: the interpreter's truncating cast keeps it
+    tl.store(base + dest, v.to(tl.bfloat16), mask=mask)
+
+
+@triton.jit
+def _store_moe_x(base, cols, v, mask, N: tl.constexpr, INTERPRET: tl.constexpr):
+    """The MoE input h [N] for a packed stage 1 (X_PACKED): h * 2^100 rounded to bf16, element 8w + q stored
+    so that int32 word i * N/8 + w is the bf16x2 (h[8w + i], h[8w + i + 4]) (_pack_x with PLANE = N/8)."""
+    q = cols % 8
+    dest = 2 * ((q % 4) * (N // 8) + cols // 8) + q // 4
     v = v * _X_SCALE
     if INTERPRET:
         v = _bf16_round(v)  # exact in bf16 now: the interpreter's truncating cast keeps it
@@ -332,15 +349,16 @@ def _stream(accs, w_e, s_e, row0s, row_stride, srow_stride, KW: tl.constexpr, x_
             BN: tl.constexpr, BKW: tl.constexpr, R: tl.constexpr, NT: tl.constexpr, SKIP: tl.constexpr,
             UNROLL: tl.constexpr, PREFETCH: tl.constexpr, WAIT: tl.constexpr, PACKED: tl.constexpr,
             INTERPRET: tl.constexpr, PAIRED: tl.constexpr, XPACKED: tl.constexpr = False,
-            PRELOAD: tl.constexpr = False):
+            PRELOAD: tl.constexpr = False, PLANE: tl.constexpr = 0):
     """The k loop over KW words per row. PACKED: products in bf16x2 (_word_dot; one token only).
     PREFETCH: software-pipelined by one step (step k+1's weight and scale loads, and without PACKED its
     activation loads, are issued before step k is decoded and multiplied). WAIT: pdl_wait
     between the first step's weight loads and its first activation load (kernels/pdl.py). PAIRED: the
     words are in paired order (kernels/mxfp4_layout.py). XPACKED (with PACKED): x_ptr holds int32 words
-    of bf16x2 activations (_pack_x). PRELOAD (with PACKED): every step's weight and scale loads come first
-    in program order (before WAIT's pdl_wait), then the steps' multiplies; ptxas still interleaves some
-    loads with the multiplies (stage 1), while a stage 2's land before its wait (sm_90 SASS, test_sass)."""
+    of bf16x2 activations (_pack_x; in planes of PLANE words when PLANE > 0). PRELOAD (with PACKED):
+    every step's weight and scale loads come first in program order (before WAIT's pdl_wait), then the
+    steps' multiplies; ptxas still interleaves some loads with the multiplies (stage 1), while a stage
+    2's land before its wait (sm_90 SASS, test_sass)."""
     kw = _perm4(tl.arange(0, BKW))
     if PRELOAD:
         wss = ()
@@ -352,7 +370,7 @@ def _stream(accs, w_e, s_e, row0s, row_stride, srow_stride, KW: tl.constexpr, x_
         pdl_wait(WAIT)
         base = x_ptr + x_offs[0]
         for k in tl.static_range(KW // BKW):
-            accs = _packed_step(accs, wss[k], sss[k], base, (k * BKW + kw) * 8, R, INTERPRET, PAIRED, XPACKED)
+            accs = _packed_step(accs, wss[k], sss[k], base, k * BKW + kw, R, INTERPRET, PAIRED, XPACKED, PLANE)
     else:
         ws, ss = _load_tiles(w_e, s_e, row0s, row_stride, srow_stride, 0, BN, BKW, R)
         pdl_wait(WAIT)
@@ -362,14 +380,14 @@ def _stream(accs, w_e, s_e, row0s, row_stride, srow_stride, KW: tl.constexpr, x_
                 for k0 in tl.range(0, KW, BKW, loop_unroll_factor=UNROLL):
                     kn = tl.minimum(k0 + BKW, KW - BKW)  # the last step re-reads its own words (cache hits)
                     ws_n, ss_n = _load_tiles(w_e, s_e, row0s, row_stride, srow_stride, kn, BN, BKW, R)
-                    accs = _packed_step(accs, ws, ss, base, (k0 + kw) * 8, R, INTERPRET, PAIRED, XPACKED)
+                    accs = _packed_step(accs, ws, ss, base, k0 + kw, R, INTERPRET, PAIRED, XPACKED, PLANE)
                     ws = ws_n
                     ss = ss_n
             else:
-                accs = _packed_step(accs, ws, ss, base, kw * 8, R, INTERPRET, PAIRED, XPACKED)
+                accs = _packed_step(accs, ws, ss, base, kw, R, INTERPRET, PAIRED, XPACKED, PLANE)
                 for k0 in tl.range(BKW, KW, BKW, loop_unroll_factor=UNROLL):
                     ws, ss = _load_tiles(w_e, s_e, row0s, row_stride, srow_stride, k0, BN, BKW, R)
-                    accs = _packed_step(accs, ws, ss, base, (k0 + kw) * 8, R, INTERPRET, PAIRED, XPACKED)
+                    accs = _packed_step(accs, ws, ss, base, k0 + kw, R, INTERPRET, PAIRED, XPACKED, PLANE)
         elif PREFETCH:
             xs = _load_x(x_ptr, x_offs, valid, kw * 8, NT)
             for k0 in tl.range(0, KW, BKW, loop_unroll_factor=UNROLL):
@@ -438,8 +456,8 @@ def mxfp4_moe_stage1_kernel(
     PRELOAD: tl.constexpr = False,
 ):
     """ACT_PACKED: act_ptr is bf16, written as _store_act_packed lays it out for stage 2 (PACKED only).
-    X_PACKED (PACKED only): x_ptr is int32 [T, H/2], x already as the bf16x2 words _pack_x builds
-    (pack_moe_x's layout, written by the add+norm kernel before the MoE)."""
+    X_PACKED (PACKED only): x_ptr is int32 [T, H/2], x already as the bf16x2 words _pack_x builds, in
+    planes (pack_moe_x's layout, written by the add+norm kernel before the MoE: _store_moe_x)."""
     s = tl.program_id(0)  # slot t*K + k
     nb = tl.program_id(1)  # block of RS*BN gate rows (and the matching up rows)
     pdl_wait(PDL)  # the expert ids may come from the kernel just before: nothing to load earlier
@@ -463,7 +481,8 @@ def mxfp4_moe_stage1_kernel(
         for r in tl.static_range(R):
             row0s = row0s + (nb * (RS * BN) + (r // 2) * BN + (r % 2) * I,)  # even r: gate rows, odd r: up rows
         accs = _stream(_zeros(NT * R, BN, BKW), w_e, s_e, row0s, HW, HG, HW, x_ptr, x_offs, valid,
-                       BN, BKW, R, NT, DEDUPE, UNROLL, PREFETCH, False, PACKED, INTERPRET, PAIRED, X_PACKED, PRELOAD)
+                       BN, BKW, R, NT, DEDUPE, UNROLL, PREFETCH, False, PACKED, INTERPRET, PAIRED, X_PACKED, PRELOAD,
+                       H // 8 if X_PACKED else 0)
         lim = tl.where(limit > 0, limit, float("inf"))
         for t in tl.static_range(NT):
             out = act_ptr + slots[t] * I + nb * (RS * BN) + sub
@@ -537,6 +556,80 @@ def mxfp4_moe_stage2_kernel(
         tl.store(cnt_ptr + nb, 0)  # ready for the next launch
 
 
+@triton.jit
+def _issue_fence():
+    """A warp barrier (bar.warp.sync): ptxas keeps the global loads before it in front of it, so every
+    load above is issued before the multiplies below (it sinks them next to their uses otherwise)."""
+    tl.inline_asm_elementwise("bar.warp.sync -1; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _group_dot(w, s, base, word, INTERPRET: tl.constexpr, PAIRED: tl.constexpr, XPACKED: tl.constexpr,
+               PLANE: tl.constexpr):
+    """Word tile w [BN, BKW] (a thread holding 4 consecutive words: whole groups, 16-byte loads) . the
+    packed activations of words `word` [BKW] -> fp32 [BN, BKW // 4]: each group's 4 word dots summed in
+    the thread, then times its E8M0 byte s [BN, BKW // 4] once."""
+    d = _word_dot(w, _pack_x(base, word, INTERPRET, XPACKED, PLANE), INTERPRET, PAIRED)
+    BN: tl.constexpr = w.shape[0]
+    BKW: tl.constexpr = w.shape[1]
+    return tl.sum(tl.reshape(d, [BN, BKW // 4, 4]), axis=2) * _e8m0_scale(s)
+
+
+@triton.jit
+def mxfp4_moe_stage1_vec_kernel(
+    x_ptr, ids_ptr, rw_ptr, w13_ptr, s13_ptr, act_ptr, limit,
+    K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, BN: tl.constexpr, BKW: tl.constexpr,
+    INTERPRET: tl.constexpr = False, PDL: tl.constexpr = False, PAIRED: tl.constexpr = False,
+    ACT_PACKED: tl.constexpr = False, X_PACKED: tl.constexpr = False, FENCE: tl.constexpr = True,
+):
+    """Stage 1 for one token per program (slot s, block nb of BN gate rows and the matching up rows), its
+    weights in 16-byte loads: a thread holds whole MX groups (4 consecutive words, one scale byte), so a
+    row step is BKW/4 vector loads and BKW/4 scale bytes where mxfp4_moe_stage1_kernel issues BKW word
+    loads and BKW byte loads. Every step's loads are issued first — a warp barrier after them keeps ptxas
+    from sinking them next to their multiplies (_issue_fence) — then multiplied, products in bf16x2 as
+    _WORD_DOT_ASM, each group's sum scaled once: the packed stage 1's products, summed in another order.
+    MoeConfig.maxnreg1 caps the registers that holding every load takes, so that the programs of one
+    token (384 of 8 warps at Ling's shape) fit the GPU at once."""
+    s = tl.program_id(0)  # slot t*K + k: token s // K
+    nb = tl.program_id(1)
+    pdl_wait(PDL)
+    e = tl.load(ids_ptr + s).to(tl.int32)
+    rw = tl.load(rw_ptr + s).to(tl.float32)
+    HW: tl.constexpr = H // 8
+    HG: tl.constexpr = H // 32
+    G: tl.constexpr = BKW // 4
+    rows = nb * BN + tl.arange(0, BN)
+    word = tl.arange(0, BKW)
+    w_e = w13_ptr + e.to(tl.int64) * (2 * I * HW)
+    s_e = s13_ptr + e.to(tl.int64) * (2 * I * HG)
+    wg_ptr = w_e + rows[:, None] * HW + word[None, :]
+    sg_ptr = s_e + rows[:, None] * HG + tl.arange(0, G)[None, :]
+    ws = ()
+    ss = ()
+    for k in tl.static_range(HW // BKW):  # gate then up rows of each step, all loads first
+        ws = ws + (tl.load(wg_ptr + k * BKW), tl.load(wg_ptr + (I * HW + k * BKW)))
+        ss = ss + (tl.load(sg_ptr + k * G), tl.load(sg_ptr + (I * HG + k * G)))
+    if FENCE and not INTERPRET:
+        _issue_fence()
+    base = x_ptr + (s // K) * (H // 2 if X_PACKED else H)
+    acc_g = tl.zeros([BN, G], dtype=tl.float32)
+    acc_u = tl.zeros([BN, G], dtype=tl.float32)
+    for k in tl.static_range(HW // BKW):
+        acc_g += _group_dot(ws[2 * k], ss[2 * k], base, k * BKW + word, INTERPRET, PAIRED, X_PACKED,
+                            H // 8 if X_PACKED else 0)
+        acc_u += _group_dot(ws[2 * k + 1], ss[2 * k + 1], base, k * BKW + word, INTERPRET, PAIRED, X_PACKED,
+                            H // 8 if X_PACKED else 0)
+    g = tl.sum(acc_g, axis=1)
+    u = tl.sum(acc_u, axis=1)
+    lim = tl.where(limit > 0, limit, float("inf"))
+    a = tl.minimum(g / (1.0 + tl.exp(-g)), lim)  # silu, clamped above
+    u = tl.minimum(tl.maximum(u, -lim), lim)
+    if ACT_PACKED:
+        _store_act_packed(act_ptr + s * I, rows, a * u * rw, rows >= 0, INTERPRET)
+    else:
+        tl.store(act_ptr + s * I + rows, a * u * rw)
+
+
 @dataclass(frozen=True)
 class MoeConfig:
     bn1: int = 16  # gate rows per stage-1 word tile (plus as many up rows)
@@ -555,6 +648,8 @@ class MoeConfig:
     packed_act: bool = False  # stage 1 writes act as stage 2's bf16x2 words (ignored unless packed)
     preload1: bool = False  # stage 1 issues all its weight loads before multiplying (packed only)
     preload2: bool = False  # stage 2 likewise, all of them before its PDL wait
+    vec1: bool = False  # stage 1 in 16-byte weight loads, a thread holding whole groups (packed only; preloads)
+    maxnreg1: int = 0  # vec1: a register cap for ptxas (0: its choice), so that enough programs fit an SM
 
 
 # Best measured on the H200 at the Ling-3.0-flash shape (H=2560, I=768, K=8); see docs/benchmarks.md.
@@ -566,6 +661,14 @@ _TUNED: dict[tuple[int, int, int], MoeConfig] = {
 }
 
 
+# Stage 1 in 16-byte loads (vec1), opt-in with SPARKCHAT_MOE_VEC=1 until timed on a GPU: per shape, the
+# blocks that give each thread 40 weight words (as the preloaded one-token stage 1) under 80 registers.
+_VEC1: dict[tuple[int, int, int], dict] = {
+    (1, 2560, 768): dict(bn1=16, bkw1=64, warps1=8, maxnreg1=80),
+    (4, 2560, 768): dict(bn1=4, bkw1=64, warps1=2, maxnreg1=80),
+}
+
+
 def moe_config(T: int, H: int, I: int) -> MoeConfig:
     """Tuned config for this shape, else a default. Several tokens default to per-slot programs: on
     the H200 DEDUPE's shared decode did not pay for its per-token arithmetic and registers (repeated
@@ -573,7 +676,8 @@ def moe_config(T: int, H: int, I: int) -> MoeConfig:
     (`packed`) wherever a program serves one token, and stage 1 then hands stage 2 its activations
     already as bf16x2 words (`packed_act`); SPARKCHAT_MOE_PACKED=0 / SPARKCHAT_MOE_PACKED_ACT=0 turn
     those off. The one-token stages issue all their weight loads up front (`preload1`/`preload2`);
-    SPARKCHAT_MOE_PRELOAD=0 restores their k loops."""
+    SPARKCHAT_MOE_PRELOAD=0 restores their k loops. SPARKCHAT_MOE_VEC=1 runs stage 1 in 16-byte loads
+    (`vec1`) wherever a program serves one token."""
     cfg = _TUNED.get((T, H, I)) or (MoeConfig() if T == 1 else MoeConfig(dedupe=False))
     one_token = T == 1 or not cfg.dedupe
     packed = one_token and os.environ.get("SPARKCHAT_MOE_PACKED", "1") != "0"
@@ -581,17 +685,21 @@ def moe_config(T: int, H: int, I: int) -> MoeConfig:
     if (cfg.preload1 or cfg.preload2) and os.environ.get("SPARKCHAT_MOE_PRELOAD", "1") == "0":
         # the k loops; stage 1's loop was tuned with 4 warps (its 8 serve the preloaded body)
         cfg = replace(cfg, preload1=False, preload2=False, warps1=4 if cfg.preload1 else cfg.warps1)
+    if packed and os.environ.get("SPARKCHAT_MOE_VEC", "0") == "1":
+        cfg = replace(cfg, vec1=True, **_VEC1.get((T, H, I), {}))
     return replace(cfg, packed=packed,
                    packed_act=packed and os.environ.get("SPARKCHAT_MOE_PACKED_ACT", "1") != "0")
 
 
 def pack_moe_x(x: torch.Tensor) -> torch.Tensor:
-    """bf16 [T, H] -> bf16 [T, H]: x * 2^100 with element 8j + q stored at 8j + 2(q % 4) + q // 4, so the
-    int32 at 8j + 2i is the bf16x2 (x[8j + i], x[8j + i + 4]) a packed stage 1 multiplies (_pack_x).
+    """bf16 [T, H] -> bf16 [T, H]: x * 2^100 with element 8w + q stored at 2((q % 4) H/8 + w) + q // 4, so
+    that int32 i * H/8 + w is the bf16x2 (x[8w + i], x[8w + i + 4]) a packed stage 1 multiplies (_pack_x
+    in planes: a warp loading component i of consecutive words reads consecutive int32s).
     The torch twin of what the add+norm kernel writes for the MoE after it (fp8_gemv, MOE_X)."""
     T, H = x.shape
-    q = torch.arange(H, device=x.device)
-    dest = (q // 8) * 8 + (q % 4) * 2 + (q % 8) // 4
+    c = torch.arange(H, device=x.device)
+    q = c % 8
+    dest = 2 * ((q % 4) * (H // 8) + c // 8) + q // 4
     out = torch.empty_like(x)
     out[:, dest] = (x.float() * 2.0 ** 100).to(torch.bfloat16)
     return out
@@ -707,9 +815,12 @@ class _Plan:
     meta1: dict
     meta2: dict
 
+    vec1: bool = False
+
     def stage1(self, x, ids, rw, w13_i32, s13, act, limit: float) -> None:
         act = act.view(torch.bfloat16) if self.meta1["ACT_PACKED"] else act  # the fp32 workspace, reused
-        mxfp4_moe_stage1_kernel[self.grid1](x, ids, rw, w13_i32, s13, act, limit, **self.meta1, **pdl_args(x.device))
+        kernel = mxfp4_moe_stage1_vec_kernel if self.vec1 else mxfp4_moe_stage1_kernel
+        kernel[self.grid1](x, ids, rw, w13_i32, s13, act, limit, **self.meta1, **pdl_args(x.device))
 
     def stage2(self, act, ids, w2_i32, s2, part, count, out, add=None) -> None:
         act = act.view(torch.int32) if self.meta2["ACT_PACKED"] else act
@@ -726,13 +837,19 @@ def _plan(T: int, K: int, H: int, inter: int, cfg: MoeConfig, paired: bool = Fal
     common = dict(T=T, K=K, H=H, I=inter, NT=_pow2(T) if dedupe else 1, K_PAD=_pow2(K), S_PAD=_pow2(T * K),
                   DEDUPE=dedupe, PREFETCH=cfg.prefetch, PACKED=cfg.packed, INTERPRET=_interpreting(), PAIRED=paired,
                   ACT_PACKED=cfg.packed and cfg.packed_act)  # it feeds the bf16x2 stage 2 only
+    meta2 = dict(common, BN=bn2, RS=rs2, BKW=bkw2, UNROLL=cfg.unroll2, num_warps=cfg.warps2,
+                 PRELOAD=cfg.preload2 and cfg.packed)
+    if cfg.vec1 and cfg.packed:  # one token per program, whole groups per thread (bkw1 >= 4)
+        return _Plan(grid1=(T * K, inter // bn1), grid2=(H // (bn2 * rs2), T * K), meta2=meta2, vec1=True,
+                     meta1=dict(K=K, H=H, I=inter, BN=bn1, BKW=bkw1, INTERPRET=common["INTERPRET"], PAIRED=paired,
+                                ACT_PACKED=common["ACT_PACKED"], X_PACKED=x_packed, num_warps=cfg.warps1,
+                                **({"maxnreg": cfg.maxnreg1} if cfg.maxnreg1 else {})))
     return _Plan(
         grid1=(T * K, inter // (bn1 * rs1)),
         grid2=(H // (bn2 * rs2), T * K),
         meta1=dict(common, BN=bn1, RS=rs1, BKW=bkw1, UNROLL=cfg.unroll1, num_warps=cfg.warps1,
                    X_PACKED=x_packed and cfg.packed, PRELOAD=cfg.preload1 and cfg.packed),
-        meta2=dict(common, BN=bn2, RS=rs2, BKW=bkw2, UNROLL=cfg.unroll2, num_warps=cfg.warps2,
-                   PRELOAD=cfg.preload2 and cfg.packed),
+        meta2=meta2,
     )
 
 
