@@ -210,7 +210,10 @@ def bench_moe(rec: Recorder, layer, sweep: bool) -> dict:
           replace(d, vec1=True, bn1=16, bkw1=64, warps1=8, maxnreg1=80),
           replace(d, vec1=True, bn1=16, bkw1=64, warps1=8),
           replace(d, vec1=True, bn1=8, bkw1=64, warps1=4, maxnreg1=80),
-          replace(d, vec1=True, bn1=16, bkw1=32, warps1=8, maxnreg1=80)]
+          replace(d, vec1=True, bn1=16, bkw1=32, warps1=8, maxnreg1=80),
+          # stage 2 likewise (vec2), alone and with stage 1's
+          replace(d, vec2=True), replace(d, vec1=True, bn1=16, bkw1=64, warps1=8, maxnreg1=80, vec2=True),
+          replace(d, vec1=True, bn1=16, bkw1=64, warps1=8, maxnreg1=80, vec2=True, bn2=16, warps2=2)]
     listed = len(c1)
     if sweep:  # wider k steps over fewer rows (what won for the FP8 GEMVs), fewer warps
         c1 += [MoeConfig(rs1=1, unroll1=2, prefetch=True),
@@ -236,7 +239,9 @@ def bench_moe(rec: Recorder, layer, sweep: bool) -> dict:
           replace(d4, preload1=True, preload2=True, bn1=4, bkw1=64, unroll1=1, warps1=2, bn2=16, warps2=2),
           replace(d4, vec1=True, bn1=4, bkw1=64, warps1=2, maxnreg1=80),
           replace(d4, vec1=True, bn1=8, bkw1=64, warps1=4, maxnreg1=80),
-          replace(d4, vec1=True, bn1=4, bkw1=64, warps1=2, maxnreg1=80, preload2=True)]
+          replace(d4, vec1=True, bn1=4, bkw1=64, warps1=2, maxnreg1=80, preload2=True),
+          replace(d4, vec1=True, bn1=4, bkw1=64, warps1=2, maxnreg1=80, vec2=True),
+          replace(d4, vec1=True, bn1=4, bkw1=64, warps1=2, maxnreg1=80, vec2=True, bn2=16, warps2=2)]
     listed4 = len(c4)
     if sweep:
         c4 += [MoeConfig(bn1=8, rs1=1, bkw1=64, warps1=2, bn2=8, rs2=1, bkw2=32, warps2=2, dedupe=False),

@@ -147,28 +147,34 @@ def moe_loads_before_wait(stage: int, preload: bool, arch: int = 90) -> tuple[in
     return ops[:wait].count("LDG"), ops.count("LDG")
 
 
-def moe_vec_stage1(arch: int = 90, fence: bool = True) -> tuple[dict, int | None] | None:
-    """The one-token stage 1 in 16-byte loads (MoeConfig.vec1, as the bench lists it: 16 gate rows, 64
-    words a step, 8 warps, 80 registers): (per load kind, [before its first bf16x2 FMA, after it], and
-    "STL": [spill stores, 0]; registers), or None where cuobjdump cannot read the architecture.
-    fence=False drops the warp barrier that keeps the loads in front (_issue_fence)."""
+def moe_vec_loads(stage: int, arch: int = 90, fence: bool = True) -> tuple[dict, int | None] | None:
+    """A one-token MoE stage in 16-byte loads (MoeConfig.vec1 / vec2, stage 1 as the bench lists it: 16 gate
+    rows, 64 words a step, 8 warps, 80 registers; stage 2 with the tuned blocks): per load kind, [before,
+    after] the stage's first bf16x2 FMA (stage 1) or its PDL wait (stage 2, ACQBULK), plus "STL": [spill
+    stores, 0]; and its registers. None where cuobjdump cannot read the architecture. fence=False drops
+    the warp barrier that keeps the loads in front (_issue_fence)."""
     from sparkchat.engine.kernels import mxfp4_moe as m
 
-    cfg = replace(m.moe_config(1, H, INTER), vec1=True, bn1=16, bkw1=64, warps1=8, maxnreg1=80)
+    cfg = replace(m.moe_config(1, H, INTER), vec1=True, bn1=16, bkw1=64, warps1=8, maxnreg1=80, vec2=True)
     plan = m._plan(1, K, H, INTER, cfg, True, x_packed=True)
-    meta = {**plan.meta1, "PDL": True, "INTERPRET": False, "FENCE": fence}
+    if stage == 1:
+        fn, meta, sig = m.mxfp4_moe_stage1_vec_kernel, plan.meta1, dict(_STAGE1_SIG, x_ptr="*i32", act_ptr="*bf16")
+    else:
+        fn, meta = m.mxfp4_moe_stage2_vec_kernel, {**plan.meta2, "HAS_ADD": True}
+        sig = dict(_STAGE2_SIG, act_ptr="*i32")
+    meta = {**meta, "PDL": True, "INTERPRET": False, "FENCE": fence}
     warps, maxnreg = meta.pop("num_warps"), meta.pop("maxnreg", None)
-    fn = m.mxfp4_moe_stage1_vec_kernel
-    kernel = compile_kernel(fn, dict(_STAGE1_SIG, x_ptr="*i32", act_ptr="*bf16"), meta, warps, arch, maxnreg=maxnreg)
+    kernel = compile_kernel(fn, sig, meta, warps, arch, maxnreg=maxnreg)
     sass = disassemble(kernel, fn.__name__)
     if sass is None:
         return None
-    first = next(i for i, ins in enumerate(sass) if _op(ins) == "HFMA2")
-    kinds: dict[str, list[int]] = {"STL": [sum(_op(ins) == "STL" for ins in sass), 0]}  # spills
+    ops = [_op(ins) for ins in sass]
+    split = ops.index("HFMA2") if stage == 1 else ops.index("ACQBULK")
+    kinds: dict[str, list[int]] = {"STL": [ops.count("STL"), 0]}  # spills
     for i, ins in enumerate(sass):
-        if _op(ins) == "LDG":
-            kind = (ins.split()[1] if ins.startswith("@") else ins.split()[0])
-            kinds.setdefault(kind, [0, 0])[i > first] += 1
+        if ops[i] == "LDG":
+            kind = ins.split()[1] if ins.startswith("@") else ins.split()[0]
+            kinds.setdefault(kind, [0, 0])[i > split] += 1
     return kinds, registers(kernel, fn.__name__)
 
 

@@ -217,9 +217,11 @@ def test_mxfp4_moe_tuned_one_token_preloaded_gpu(paired, monkeypatch):
 
 @gpu
 @pytest.mark.parametrize("T", [1, 4])
-def test_mxfp4_moe_vectorized_stage1_gpu(T):
-    """Stage 1 in 16-byte loads (MoeConfig.vec1, the register cap the bench times) at the Ling shape, paired
-    words, the input in planes as the add+norm writes it: against the twin and the packed k loop."""
+@pytest.mark.parametrize("vec2", [False, True])
+def test_mxfp4_moe_vectorized_stages_gpu(T, vec2):
+    """Stage 1 in 16-byte loads (MoeConfig.vec1, the register cap the bench times), and stage 2 too (vec2),
+    at the Ling shape, paired words, the input in planes as the add+norm writes it: against the twin and
+    the packed k loops."""
     from dataclasses import replace
 
     from sparkchat.engine.kernels.mxfp4_layout import permute_words_
@@ -228,7 +230,8 @@ def test_mxfp4_moe_vectorized_stage1_gpu(T):
     w13, s13, w2, s2 = make_experts(40, 2560, 768, "cuda", gen)
     a13, a2 = permute_words_(w13.clone()), permute_words_(w2.clone())
     tuned = moe_config(T, 2560, 768)
-    vec = replace(tuned, vec1=True, bn1=16 if T == 1 else 4, bkw1=64, warps1=8 if T == 1 else 2, maxnreg1=80)
+    vec = replace(tuned, vec1=True, bn1=16 if T == 1 else 4, bkw1=64, warps1=8 if T == 1 else 2, maxnreg1=80,
+                  vec2=vec2)
     for _ in range(2):
         ids, wts = make_routing(T, 8, 40, 0, gen)
         ids, wts = ids.cuda(), wts.cuda()
@@ -532,6 +535,7 @@ def test_kernels_under_triton_interpreter():
 
 _MOE_X_SCRIPT = textwrap.dedent("""
     import torch
+    from sparkchat.engine.kernels import reference as ref
     from sparkchat.engine.kernels.mxfp4_moe import MoeConfig, mxfp4_moe, pack_moe_x
     from tests.test_kernels import make_experts, make_routing, rel_err
     gen = torch.Generator().manual_seed(0)
@@ -540,21 +544,23 @@ _MOE_X_SCRIPT = textwrap.dedent("""
         ids, wts = make_routing(T, 4, 6, repeat, gen)
         x = torch.randn(T, 64, generator=gen).bfloat16()
         cfg = MoeConfig(bn1=8, rs1=1, bkw1=4, bn2=16, rs2=2, bkw2=4, dedupe=False, packed=True, packed_act=True)
-        step = mxfp4_moe(x, ids, wts, w13, s13, w2, s2, 0.02, config=cfg)
+        step = mxfp4_moe(x, ids, wts, w13, s13, w2, s2, 0.02, config=cfg)  # stage 1's act in planes too
+        assert rel_err(step, ref.mxfp4_moe_reference(x, ids, wts, w13, s13, w2, s2, 0.02)) < 1e-2, T
         xp = pack_moe_x(x)
         assert torch.equal(step, mxfp4_moe(x, ids, wts, w13, s13, w2, s2, 0.02, config=cfg, x_packed=xp)), T
-        vec = MoeConfig(**{**cfg.__dict__, "vec1": True})
+        vec = MoeConfig(**{**cfg.__dict__, "vec1": True, "vec2": True})
         assert rel_err(mxfp4_moe(x, ids, wts, w13, s13, w2, s2, 0.02, config=vec, x_packed=xp), step) < 1e-3, T
-        if T == 1:  # x packed in the kernel itself
-            assert rel_err(mxfp4_moe(x, ids, wts, w13, s13, w2, s2, 0.02, config=vec), step) < 1e-3
+        if T == 1:  # stage 1 alone in 16-byte loads, x packed in the kernel itself
+            vec1 = MoeConfig(**{**cfg.__dict__, "vec1": True})
+            assert rel_err(mxfp4_moe(x, ids, wts, w13, s13, w2, s2, 0.02, config=vec1), step) < 1e-3
     print("interpreter ok")
 """)
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
-def test_moe_input_planes_and_vectorized_stage1_under_triton_interpreter():
-    """The MoE input in planes (pack_moe_x, read by the packed stage 1) and stage 1 in 16-byte loads
-    (MoeConfig.vec1) give the packed k loop's result."""
+def test_moe_input_planes_and_vectorized_stages_under_triton_interpreter():
+    """Packed activations in planes (the MoE input, pack_moe_x, and stage 1's act for stage 2) match the
+    twin, and the stages in 16-byte loads (MoeConfig.vec1 / vec2) give the packed k loops' result."""
     _run_interpreted(_MOE_X_SCRIPT)
 
 

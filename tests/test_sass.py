@@ -48,18 +48,23 @@ def test_preloaded_moe_stage2_streams_its_weights_before_the_pdl_wait():
     assert before >= 2 * loop_before and before >= 0.6 * total, (before, total, loop_before)
 
 
-def test_vectorized_moe_stage1_issues_its_weight_and_scale_loads_first():
-    """Stage 1 in 16-byte loads (MoeConfig.vec1): behind its warp barrier every weight (10 LDG.128 a
-    thread) and scale load (10 LDG.U8) comes before the first bf16x2 FMA, within the 80-register cap
-    (3 programs of 8 warps an SM), spilling little; without the barrier ptxas moves the scale loads
-    behind the multiplies (measured on sm_90: 14 / 10 wide / byte loads in front with it, 11 / 0 without)."""
+def test_vectorized_moe_stages_issue_their_weight_and_scale_loads_first():
+    """The stages in 16-byte loads (MoeConfig.vec1 / vec2): behind the warp barrier, stage 1's weight (10
+    LDG.128 a thread) and scale loads (10 LDG.U8) all come before its first bf16x2 FMA, within the
+    80-register cap (3 programs of 8 warps an SM) and spilling little — without the barrier ptxas moves
+    the scale loads behind the multiplies (measured on sm_90: 14 / 10 wide / byte loads in front with
+    it, 11 / 0 without); stage 2's weights (6 LDG.128) and scales (3 two-byte loads) all come before its
+    PDL wait, its act after."""
     s = _tools()
-    kinds, regs = s.moe_vec_stage1(90)
+    kinds, regs = s.moe_vec_loads(1)
     assert kinds["LDG.E.U8"] == [10, 0] and kinds["LDG.E.128"][0] >= 10 and regs <= 80, (kinds, regs)
     assert kinds["STL"][0] <= 8, kinds
-    unfenced, _ = s.moe_vec_stage1(90, fence=False)
+    unfenced, _ = s.moe_vec_loads(1, fence=False)
     assert unfenced["LDG.E.U8"][0] < 10, unfenced
-    s.moe_vec_stage1(121)  # compiles for the DGX Spark (its SASS is not readable by the bundled cuobjdump)
+    down, _ = s.moe_vec_loads(2)
+    assert down["LDG.E.128"][0] == 6 and down["LDG.E.U16"][0] >= 3 and down["LDG.E.128"][1] >= 6, down
+    s.moe_vec_loads(1, arch=121)  # both compile for the DGX Spark (its SASS the bundled cuobjdump cannot read)
+    s.moe_vec_loads(2, arch=121)
 
 
 def test_verify_gemv_uses_each_targets_tensor_cores():

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from sparkchat.engine.kernels.counters import arrival_counters
-from sparkchat.engine.kernels.mxfp4_moe import _store_moe_x
+from sparkchat.engine.kernels.mxfp4_moe import _store_packed
 from sparkchat.engine.kernels.pdl import pdl_args, pdl_wait
 
 SCALE_BLOCK: tl.constexpr = tl.constexpr(128)
@@ -395,7 +395,7 @@ def _norm_rows(s_ptr, ssq_ptr, nw_ptr, h_ptr, eps, h16_ptr, hd_ptr, hx_ptr, NSQ:
                 tl.store(hd_ptr + t * ((N + SCALE_BLOCK - 1) // SCALE_BLOCK) + b,
                          ((e - 14) << 23).to(tl.float32, bitcast=True), mask=b * SCALE_BLOCK < N)
             if MOE_X:
-                _store_moe_x(hx_ptr + t * N, cols, h.to(tl.float32), m, N, INTERPRET)
+                _store_packed(hx_ptr + t * N, cols, h.to(tl.float32), m, N, INTERPRET)
 
 
 @triton.jit
@@ -433,7 +433,7 @@ def splitk_add_norm_kernel(part_ptr, res_ptr, nw_ptr, res_out_ptr, h_ptr, eps, N
         tl.store(hd_ptr + t * ((N + SCALE_BLOCK - 1) // SCALE_BLOCK) + b, ((e - 14) << 23).to(tl.float32, bitcast=True),
                  mask=b * SCALE_BLOCK < N)
     if MOE_X:
-        _store_moe_x(hx_ptr + t * N, i, h.to(tl.float32), m, N, INTERPRET)
+        _store_packed(hx_ptr + t * N, i, h.to(tl.float32), m, N, INTERPRET)
 
 
 @triton.jit

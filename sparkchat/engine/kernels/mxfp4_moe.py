@@ -173,16 +173,11 @@ def _pack_x(base, word, INTERPRET: tl.constexpr, XPACKED: tl.constexpr = False, 
     """The 8 activations of each word column `word` (at base + 8 * word) as 4 bf16x2 int32 [BKW]:
     x[i] * 2^100 in the low half, x[i + 4] * 2^100 in the high half. The interpreter gets the scaled
     values as 8 fp32 [BKW], rounded to bf16, instead. XPACKED: base points at int32 words already in
-    that form, just loaded: 4 per column side by side (stage 1's packed act, _store_act_packed), or with
-    PLANE > 0 in 4 planes of PLANE words (the MoE input, _store_moe_x), so that a warp's loads of one
-    component over consecutive columns are consecutive words."""
+    that form (_store_packed), in 4 planes of PLANE words: just loaded."""
     out = ()
     if XPACKED:
         for i in tl.static_range(4):
-            if PLANE > 0:
-                w = tl.load(base + i * PLANE + word)
-            else:
-                w = tl.load(base + word * 4 + i)
+            w = tl.load(base + i * PLANE + word)
             if INTERPRET:
                 out = out + ((w << 16).to(tl.float32, bitcast=True), (w & _HI16).to(tl.float32, bitcast=True))
             else:
@@ -236,23 +231,14 @@ def _packed_step(accs, ws, ss, base, word, R: tl.constexpr, INTERPRET: tl.conste
 
 
 @triton.jit
-def _store_act_packed(base, rows, v, mask, INTERPRET: tl.constexpr):
-    """Stage 1's act rows for a PACKED stage 2: v * 2^100 rounded to bf16, row 8j + q stored at
-    8j + 2(q % 4) + q // 4, so that stage 2 reads each int32 at 8j + 2i as the bf16x2 (act[8j + i],
-    act[8j + i + 4]) its _pack_x would build — half the bytes, no conversions in its k loop."""
-    dest = (rows // 8) * 8 + (rows % 4) * 2 + (rows % 8) // 4
-    v = v * _X_SCALE
-    if INTERPRET:
-        v = _bf16_round(v)  # exact in bf16 now: the interpreter's truncating cast keeps it
-    tl.store(base + dest, v.to(tl.bfloat16), mask=mask)
-
-
-@triton.jit
-def _store_moe_x(base, cols, v, mask, N: tl.constexpr, INTERPRET: tl.constexpr):
-    """The MoE input h [N] for a packed stage 1 (X_PACKED): h * 2^100 rounded to bf16, element 8w + q stored
-    so that int32 word i * N/8 + w is the bf16x2 (h[8w + i], h[8w + i + 4]) (_pack_x with PLANE = N/8)."""
-    q = cols % 8
-    dest = 2 * ((q % 4) * (N // 8) + cols // 8) + q // 4
+def _store_packed(base, idx, v, mask, N: tl.constexpr, INTERPRET: tl.constexpr):
+    """Activations v (elements idx of N) as a packed stage multiplies them: v * 2^100 rounded to bf16, in
+    four planes — int32 word i * N/8 + w is the bf16x2 (v[8w + i], v[8w + i + 4]) that _pack_x would
+    build (read with PLANE = N/8), so that a warp loading component i of consecutive words reads
+    consecutive words. Half the bytes of fp32 and no conversions in the reading stage's k loop. Stage 1
+    writes its act so for stage 2, the add+norm kernel the MoE input so for stage 1 (pack_moe_x)."""
+    q = idx % 8
+    dest = 2 * ((q % 4) * (N // 8) + idx // 8) + q // 4
     v = v * _X_SCALE
     if INTERPRET:
         v = _bf16_round(v)  # exact in bf16 now: the interpreter's truncating cast keeps it
@@ -355,7 +341,7 @@ def _stream(accs, w_e, s_e, row0s, row_stride, srow_stride, KW: tl.constexpr, x_
     activation loads, are issued before step k is decoded and multiplied). WAIT: pdl_wait
     between the first step's weight loads and its first activation load (kernels/pdl.py). PAIRED: the
     words are in paired order (kernels/mxfp4_layout.py). XPACKED (with PACKED): x_ptr holds int32 words
-    of bf16x2 activations (_pack_x; in planes of PLANE words when PLANE > 0). PRELOAD (with PACKED):
+    of bf16x2 activations in planes of PLANE words (_store_packed). PRELOAD (with PACKED):
     every step's weight and scale loads come first in program order (before WAIT's pdl_wait), then the
     steps' multiplies; ptxas still interleaves some loads with the multiplies (stage 1), while a stage
     2's land before its wait (sm_90 SASS, test_sass)."""
@@ -455,9 +441,9 @@ def mxfp4_moe_stage1_kernel(
     PAIRED: tl.constexpr = False, ACT_PACKED: tl.constexpr = False, X_PACKED: tl.constexpr = False,
     PRELOAD: tl.constexpr = False,
 ):
-    """ACT_PACKED: act_ptr is bf16, written as _store_act_packed lays it out for stage 2 (PACKED only).
+    """ACT_PACKED: act_ptr is bf16, written as _store_packed lays it out for stage 2 (PACKED only).
     X_PACKED (PACKED only): x_ptr is int32 [T, H/2], x already as the bf16x2 words _pack_x builds, in
-    planes (pack_moe_x's layout, written by the add+norm kernel before the MoE: _store_moe_x)."""
+    planes (pack_moe_x's layout, written by the add+norm kernel before the MoE: _store_packed)."""
     s = tl.program_id(0)  # slot t*K + k
     nb = tl.program_id(1)  # block of RS*BN gate rows (and the matching up rows)
     pdl_wait(PDL)  # the expert ids may come from the kernel just before: nothing to load earlier
@@ -492,8 +478,8 @@ def mxfp4_moe_stage1_kernel(
                 a = tl.minimum(g / (1.0 + tl.exp(-g)), lim)  # silu, clamped above
                 u = tl.minimum(tl.maximum(u, -lim), lim)
                 if ACT_PACKED:
-                    _store_act_packed(act_ptr + slots[t] * I, nb * (RS * BN) + rs * BN + sub, a * u * rws[t],
-                                      valid[t] & (sub >= 0), INTERPRET)
+                    _store_packed(act_ptr + slots[t] * I, nb * (RS * BN) + rs * BN + sub, a * u * rws[t],
+                                  valid[t] & (sub >= 0), I, INTERPRET)
                 else:
                     tl.store(out + rs * BN, a * u * rws[t], mask=valid[t] & (sub >= 0))
 
@@ -509,7 +495,7 @@ def mxfp4_moe_stage2_kernel(
 ):
     """With PDL, the expert ids (written by the router, two or more kernels back) and the first step's
     weights are read before pdl_wait: the down weights start streaming during stage 1's tail.
-    ACT_PACKED: act_ptr is int32, stage 1's packed act (_store_act_packed)."""
+    ACT_PACKED: act_ptr is int32, stage 1's packed act (_store_packed, planes of I/8 words)."""
     nb = tl.program_id(0)  # block of RS*BN output rows
     s = tl.program_id(1)  # slot t*K + k
     IW: tl.constexpr = I // 8
@@ -532,14 +518,23 @@ def mxfp4_moe_stage2_kernel(
         for r in tl.static_range(RS):
             row0s = row0s + (nb * (RS * BN) + r * BN,)
         accs = _stream(_zeros(NT * RS, BN, BKW), w_e, s_e, row0s, IW, IG, IW, act_ptr, a_offs, valid,
-                       BN, BKW, RS, NT, DEDUPE, UNROLL, PREFETCH, PDL, PACKED, INTERPRET, PAIRED, ACT_PACKED, PRELOAD)
+                       BN, BKW, RS, NT, DEDUPE, UNROLL, PREFETCH, PDL, PACKED, INTERPRET, PAIRED, ACT_PACKED, PRELOAD,
+                       I // 8)
         for t in tl.static_range(NT):
             out = part_ptr + slots[t] * H + rows
             for r in tl.static_range(RS):
                 tl.store(out + r * BN, tl.sum(accs[t * RS + r], axis=1), mask=valid[t] & (rows >= 0))
     else:
         pdl_wait(PDL)
-    # The last of the T*K programs of this row block sums the slots (stores above -> barrier -> release).
+    _sum_slots(part_ptr, cnt_ptr, y_ptr, add_ptr, nb, rows, T, K, H, RS, BN, HAS_ADD)
+
+
+@triton.jit
+def _sum_slots(part_ptr, cnt_ptr, y_ptr, add_ptr, nb, rows, T: tl.constexpr, K: tl.constexpr, H: tl.constexpr,
+               RS: tl.constexpr, BN: tl.constexpr, HAS_ADD: tl.constexpr):
+    """Stage 2's end: the last of the T*K programs of row block nb (RS tiles of BN rows from `rows`) sums
+    the slots' partials in slot order into y bf16, plus the shared expert's output (HAS_ADD), and
+    resets the block's arrival counter (this program's stores -> barrier -> release)."""
     tl.debug_barrier()
     done = tl.atomic_add(cnt_ptr + nb, 1, sem="acq_rel", scope="gpu")
     if done == T * K - 1:
@@ -625,9 +620,46 @@ def mxfp4_moe_stage1_vec_kernel(
     a = tl.minimum(g / (1.0 + tl.exp(-g)), lim)  # silu, clamped above
     u = tl.minimum(tl.maximum(u, -lim), lim)
     if ACT_PACKED:
-        _store_act_packed(act_ptr + s * I, rows, a * u * rw, rows >= 0, INTERPRET)
+        _store_packed(act_ptr + s * I, rows, a * u * rw, rows >= 0, I, INTERPRET)
     else:
         tl.store(act_ptr + s * I + rows, a * u * rw)
+
+
+@triton.jit
+def mxfp4_moe_stage2_vec_kernel(
+    act_ptr, ids_ptr, w2_ptr, s2_ptr, part_ptr, cnt_ptr, y_ptr, add_ptr,
+    T: tl.constexpr, K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, HAS_ADD: tl.constexpr,
+    BN: tl.constexpr, BKW: tl.constexpr, INTERPRET: tl.constexpr = False, PDL: tl.constexpr = False,
+    PAIRED: tl.constexpr = False, ACT_PACKED: tl.constexpr = False, FENCE: tl.constexpr = True,
+):
+    """Stage 2 for one token per program (row block nb of BN output rows, slot s) in 16-byte loads, as
+    mxfp4_moe_stage1_vec_kernel: every step's down weights and scales are loaded, fenced, and only then
+    does the program wait for stage 1 (PDL) and read its act (planes, 16 bytes a load when ACT_PACKED)."""
+    nb = tl.program_id(0)
+    s = tl.program_id(1)  # slot t*K + k
+    IW: tl.constexpr = I // 8
+    IG: tl.constexpr = I // 32
+    G: tl.constexpr = BKW // 4
+    rows = nb * BN + tl.arange(0, BN)
+    word = tl.arange(0, BKW)
+    e = tl.load(ids_ptr + s).to(tl.int32)  # written by the router, two kernels back: safe before the wait
+    w_ptr = w2_ptr + e.to(tl.int64) * (H * IW) + rows[:, None] * IW + word[None, :]
+    sc_ptr = s2_ptr + e.to(tl.int64) * (H * IG) + rows[:, None] * IG + tl.arange(0, G)[None, :]
+    ws = ()
+    ss = ()
+    for k in tl.static_range(IW // BKW):
+        ws = ws + (tl.load(w_ptr + k * BKW),)
+        ss = ss + (tl.load(sc_ptr + k * G),)
+    if FENCE and not INTERPRET:
+        _issue_fence()
+    pdl_wait(PDL)
+    base = act_ptr + s * (I // 2 if ACT_PACKED else I)
+    acc = tl.zeros([BN, G], dtype=tl.float32)
+    for k in tl.static_range(IW // BKW):
+        acc += _group_dot(ws[k], ss[k], base, k * BKW + word, INTERPRET, PAIRED, ACT_PACKED,
+                          I // 8 if ACT_PACKED else 0)
+    tl.store(part_ptr + s * H + rows, tl.sum(acc, axis=1))
+    _sum_slots(part_ptr, cnt_ptr, y_ptr, add_ptr, nb, rows, T, K, H, 1, BN, HAS_ADD)
 
 
 @dataclass(frozen=True)
@@ -650,6 +682,7 @@ class MoeConfig:
     preload2: bool = False  # stage 2 likewise, all of them before its PDL wait
     vec1: bool = False  # stage 1 in 16-byte weight loads, a thread holding whole groups (packed only; preloads)
     maxnreg1: int = 0  # vec1: a register cap for ptxas (0: its choice), so that enough programs fit an SM
+    vec2: bool = False  # stage 2 likewise in 16-byte loads, all of them before its PDL wait (packed only)
 
 
 # Best measured on the H200 at the Ling-3.0-flash shape (H=2560, I=768, K=8); see docs/benchmarks.md.
@@ -661,8 +694,9 @@ _TUNED: dict[tuple[int, int, int], MoeConfig] = {
 }
 
 
-# Stage 1 in 16-byte loads (vec1), opt-in with SPARKCHAT_MOE_VEC=1 until timed on a GPU: per shape, the
-# blocks that give each thread 40 weight words (as the preloaded one-token stage 1) under 80 registers.
+# The stages in 16-byte loads (vec1 / vec2), opt-in with SPARKCHAT_MOE_VEC until timed on a GPU: per shape,
+# stage 1's blocks that give each thread 40 weight words (as the preloaded one-token stage 1) under 80
+# registers; stage 2 keeps the tuned blocks.
 _VEC1: dict[tuple[int, int, int], dict] = {
     (1, 2560, 768): dict(bn1=16, bkw1=64, warps1=8, maxnreg1=80),
     (4, 2560, 768): dict(bn1=4, bkw1=64, warps1=2, maxnreg1=80),
@@ -676,8 +710,8 @@ def moe_config(T: int, H: int, I: int) -> MoeConfig:
     (`packed`) wherever a program serves one token, and stage 1 then hands stage 2 its activations
     already as bf16x2 words (`packed_act`); SPARKCHAT_MOE_PACKED=0 / SPARKCHAT_MOE_PACKED_ACT=0 turn
     those off. The one-token stages issue all their weight loads up front (`preload1`/`preload2`);
-    SPARKCHAT_MOE_PRELOAD=0 restores their k loops. SPARKCHAT_MOE_VEC=1 runs stage 1 in 16-byte loads
-    (`vec1`) wherever a program serves one token."""
+    SPARKCHAT_MOE_PRELOAD=0 restores their k loops. SPARKCHAT_MOE_VEC runs the stages in 16-byte loads
+    wherever a program serves one token: bit 0 stage 1 (`vec1`), bit 1 stage 2 (`vec2`); 3 both."""
     cfg = _TUNED.get((T, H, I)) or (MoeConfig() if T == 1 else MoeConfig(dedupe=False))
     one_token = T == 1 or not cfg.dedupe
     packed = one_token and os.environ.get("SPARKCHAT_MOE_PACKED", "1") != "0"
@@ -685,8 +719,11 @@ def moe_config(T: int, H: int, I: int) -> MoeConfig:
     if (cfg.preload1 or cfg.preload2) and os.environ.get("SPARKCHAT_MOE_PRELOAD", "1") == "0":
         # the k loops; stage 1's loop was tuned with 4 warps (its 8 serve the preloaded body)
         cfg = replace(cfg, preload1=False, preload2=False, warps1=4 if cfg.preload1 else cfg.warps1)
-    if packed and os.environ.get("SPARKCHAT_MOE_VEC", "0") == "1":
+    vec = int(os.environ.get("SPARKCHAT_MOE_VEC", "0") or 0) if packed else 0
+    if vec & 1:
         cfg = replace(cfg, vec1=True, **_VEC1.get((T, H, I), {}))
+    if vec & 2:
+        cfg = replace(cfg, vec2=True)
     return replace(cfg, packed=packed,
                    packed_act=packed and os.environ.get("SPARKCHAT_MOE_PACKED_ACT", "1") != "0")
 
@@ -789,12 +826,11 @@ def mxfp4_moe(
     ws = workspace
     assert ws.act.dtype == torch.float32 and ws.act.numel() >= T * K * inter
     assert ws.part.dtype == torch.float32 and ws.part.numel() >= T * K * H
-    assert ws.count.dtype == torch.int32 and ws.count.numel() >= H // (cfg.bn2 * cfg.rs2)
-
     use_xp = x_packed is not None and cfg.packed
     if use_xp:
         assert x_packed.shape == (T, H) and x_packed.dtype == torch.bfloat16 and x_packed.is_contiguous()
     launch = _plan(T, K, H, inter, cfg, paired, x_packed=use_xp)
+    assert ws.count.dtype == torch.int32 and ws.count.numel() >= launch.grid2[0], "one arrival counter a row block"
     w13_i32, w2_i32 = w13.view(torch.int32), w2.view(torch.int32)
     launch.stage1(x_packed.view(torch.int32) if use_xp else x, topk_ids, topk_weights, w13_i32, w13_scale, ws.act,
                   float(swiglu_limit))
@@ -816,6 +852,7 @@ class _Plan:
     meta2: dict
 
     vec1: bool = False
+    vec2: bool = False
 
     def stage1(self, x, ids, rw, w13_i32, s13, act, limit: float) -> None:
         act = act.view(torch.bfloat16) if self.meta1["ACT_PACKED"] else act  # the fp32 workspace, reused
@@ -824,7 +861,8 @@ class _Plan:
 
     def stage2(self, act, ids, w2_i32, s2, part, count, out, add=None) -> None:
         act = act.view(torch.int32) if self.meta2["ACT_PACKED"] else act
-        mxfp4_moe_stage2_kernel[self.grid2](act, ids, w2_i32, s2, part, count, out, out if add is None else add,
+        kernel = mxfp4_moe_stage2_vec_kernel if self.vec2 else mxfp4_moe_stage2_kernel
+        kernel[self.grid2](act, ids, w2_i32, s2, part, count, out, out if add is None else add,
                                             HAS_ADD=add is not None, **self.meta2, **pdl_args(act.device))
 
 
@@ -837,20 +875,23 @@ def _plan(T: int, K: int, H: int, inter: int, cfg: MoeConfig, paired: bool = Fal
     common = dict(T=T, K=K, H=H, I=inter, NT=_pow2(T) if dedupe else 1, K_PAD=_pow2(K), S_PAD=_pow2(T * K),
                   DEDUPE=dedupe, PREFETCH=cfg.prefetch, PACKED=cfg.packed, INTERPRET=_interpreting(), PAIRED=paired,
                   ACT_PACKED=cfg.packed and cfg.packed_act)  # it feeds the bf16x2 stage 2 only
-    meta2 = dict(common, BN=bn2, RS=rs2, BKW=bkw2, UNROLL=cfg.unroll2, num_warps=cfg.warps2,
-                 PRELOAD=cfg.preload2 and cfg.packed)
-    if cfg.vec1 and cfg.packed:  # one token per program, whole groups per thread (bkw1 >= 4)
-        return _Plan(grid1=(T * K, inter // bn1), grid2=(H // (bn2 * rs2), T * K), meta2=meta2, vec1=True,
-                     meta1=dict(K=K, H=H, I=inter, BN=bn1, BKW=bkw1, INTERPRET=common["INTERPRET"], PAIRED=paired,
-                                ACT_PACKED=common["ACT_PACKED"], X_PACKED=x_packed, num_warps=cfg.warps1,
-                                **({"maxnreg": cfg.maxnreg1} if cfg.maxnreg1 else {})))
-    return _Plan(
-        grid1=(T * K, inter // (bn1 * rs1)),
-        grid2=(H // (bn2 * rs2), T * K),
-        meta1=dict(common, BN=bn1, RS=rs1, BKW=bkw1, UNROLL=cfg.unroll1, num_warps=cfg.warps1,
-                   X_PACKED=x_packed and cfg.packed, PRELOAD=cfg.preload1 and cfg.packed),
-        meta2=meta2,
-    )
+    vec1, vec2 = cfg.vec1 and cfg.packed, cfg.vec2 and cfg.packed  # one token a program, whole groups a thread
+    if vec1:
+        meta1 = dict(K=K, H=H, I=inter, BN=bn1, BKW=bkw1, INTERPRET=common["INTERPRET"], PAIRED=paired,
+                     ACT_PACKED=common["ACT_PACKED"], X_PACKED=x_packed, num_warps=cfg.warps1,
+                     **({"maxnreg": cfg.maxnreg1} if cfg.maxnreg1 else {}))
+    else:
+        meta1 = dict(common, BN=bn1, RS=rs1, BKW=bkw1, UNROLL=cfg.unroll1, num_warps=cfg.warps1,
+                     X_PACKED=x_packed and cfg.packed, PRELOAD=cfg.preload1 and cfg.packed)
+    if vec2:
+        rs2 = 1
+        meta2 = dict(T=T, K=K, H=H, I=inter, BN=bn2, BKW=bkw2, INTERPRET=common["INTERPRET"], PAIRED=paired,
+                     ACT_PACKED=common["ACT_PACKED"], num_warps=cfg.warps2)
+    else:
+        meta2 = dict(common, BN=bn2, RS=rs2, BKW=bkw2, UNROLL=cfg.unroll2, num_warps=cfg.warps2,
+                     PRELOAD=cfg.preload2 and cfg.packed)
+    return _Plan(grid1=(T * K, inter // (bn1 if vec1 else bn1 * rs1)), grid2=(H // (bn2 * rs2), T * K),
+                 meta1=meta1, meta2=meta2, vec1=vec1, vec2=vec2)
 
 
 @triton.jit
