@@ -28,6 +28,10 @@ lanes along the words (one 128-byte line per warp load) and rows in registers, s
 value is loaded once per thread and reused across its rows. Configs: MoeConfig / moe_config; the
 `prefetch` option software-pipelines the k loop by one step (each step's words are loaded a step ahead);
 `preload1`/`preload2` (the one-token default) unroll it and load every step's words before multiplying.
+`vec1`/`vec2` (opt-in) run a stage as its own kernel in 16-byte loads instead: a thread holds whole MX
+groups (4 consecutive words and their one scale byte), every load issued before the multiplies.
+Packed activations (the MoE input from the add+norm kernel, stage 1's act for stage 2) lie in four planes
+(_store_packed), so that a warp's loads of one component over consecutive words read consecutive words.
 """
 
 from __future__ import annotations
@@ -719,7 +723,8 @@ def moe_config(T: int, H: int, I: int) -> MoeConfig:
     if (cfg.preload1 or cfg.preload2) and os.environ.get("SPARKCHAT_MOE_PRELOAD", "1") == "0":
         # the k loops; stage 1's loop was tuned with 4 warps (its 8 serve the preloaded body)
         cfg = replace(cfg, preload1=False, preload2=False, warps1=4 if cfg.preload1 else cfg.warps1)
-    vec = int(os.environ.get("SPARKCHAT_MOE_VEC", "0") or 0) if packed else 0
+    vec_bits = os.environ.get("SPARKCHAT_MOE_VEC", "0")
+    vec = int(vec_bits) if packed and vec_bits.isdigit() else 0
     if vec & 1:
         cfg = replace(cfg, vec1=True, **_VEC1.get((T, H, I), {}))
     if vec & 2:
