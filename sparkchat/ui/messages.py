@@ -65,12 +65,14 @@ class LoadStage(Message):
 
 
 class ModelsListed(Message):
-    """The local models (sparkchat.hub.LocalModel), or the one-line reason they could not be listed."""
+    """The local models (sparkchat.hub.LocalModel), or the one-line reason they could not be listed;
+    `listing` numbers the request it answers (an older listing may finish after a newer one)."""
 
-    def __init__(self, models: list[Any], error: str | None = None) -> None:
+    def __init__(self, models: list[Any], error: str | None = None, listing: int = 0) -> None:
         super().__init__()
         self.models = models
         self.error = error
+        self.listing = listing
 
 
 class DownloadProgress(Message):

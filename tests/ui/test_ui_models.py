@@ -12,6 +12,7 @@ from uitools import ask, chat, notifications, send, static_text, wait_for
 from sparkchat import hub
 from sparkchat.engine.errors import DownloadError
 from sparkchat.ui.app import SparkchatApp
+from sparkchat.ui.messages import ModelsListed
 from sparkchat.ui.prefs import ChatSettings
 from sparkchat.ui.screens.dialogs import ConfirmScreen
 from sparkchat.ui.screens.models import Latest, ModelsScreen, ModelTable
@@ -215,6 +216,22 @@ async def test_delete_a_model(make_app, local_models):
         await pilot.press("y")
         await wait_for(pilot, lambda: not target.exists() and not rows(screen) and not screen.listing)
         assert any("Deleted tiny-ling" in n for n in notifications(app))
+
+
+async def test_a_listing_that_finishes_late_does_not_replace_a_newer_one(make_app, local_models):
+    """Closing the delete dialog lists the models again while the delete runs; the delete then asks for
+    a newer list. The older listing's thread may post last (a cancelled thread worker runs on): it must
+    not bring back the deleted model."""
+    app = make_app(None)
+    async with app.run_test(size=SIZE) as pilot:
+        screen = await open_models(pilot)
+        shown = rows(screen)
+        assert shown
+        screen.post_message(ModelsListed([], listing=screen.listings - 1))  # an older listing, late
+        await pilot.pause()
+        assert rows(screen) == shown
+        screen.post_message(ModelsListed([], listing=screen.listings))
+        await wait_for(pilot, lambda: not rows(screen))
 
 
 def test_progress_text_and_latest():

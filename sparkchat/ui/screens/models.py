@@ -85,6 +85,7 @@ class ModelsScreen(Screen[None]):
         self.models: list[Any] = []  # sparkchat.hub.LocalModel
         self.list_error: str | None = None
         self.listing = True  # until the first list arrives
+        self.listings = 0  # listings requested so far: only the latest one's answer is shown
         self.download_repo: str | None = None
         self.download_cancel: threading.Event | None = None
         self._select_after_list: Path | None = None
@@ -166,24 +167,29 @@ class ModelsScreen(Screen[None]):
 
     def refresh_models(self) -> None:
         self.listing = True
+        self.listings += 1
         loaded = self._loaded_path()
         # the folder the loaded model came from is listed too (it may hold others beside it)
-        self._list_models([loaded.parent] if loaded is not None else [])
+        self._list_models([loaded.parent] if loaded is not None else [], self.listings)
 
     @work(thread=True, group="list-models", exclusive=True, exit_on_error=False)
-    def _list_models(self, extra_dirs: list[Path]) -> None:
+    def _list_models(self, extra_dirs: list[Path], listing: int) -> None:
         from sparkchat import hub
 
         try:
             models = _unique(hub.list_local_models(extra_dirs=extra_dirs))
         except SparkchatError as exc:
-            self.post_message(ModelsListed([], str(exc)))
+            self.post_message(ModelsListed([], str(exc), listing))
         except Exception as exc:  # an odd cache layout must not close the screen
-            self.post_message(ModelsListed([], f"{type(exc).__name__}: {exc}"))
+            self.post_message(ModelsListed([], f"{type(exc).__name__}: {exc}", listing))
         else:
-            self.post_message(ModelsListed(models))
+            self.post_message(ModelsListed(models, listing=listing))
 
     def on_models_listed(self, message: ModelsListed) -> None:
+        if message.listing != self.listings:
+            # a listing that a newer one replaced (a thread worker runs on after its cancel): its models
+            # may predate a delete or a download, so it must not land after the newer list
+            return
         self.listing = False
         self.models = message.models
         self.list_error = message.error
