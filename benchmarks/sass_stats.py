@@ -125,6 +125,24 @@ def moe_loop(T: int, stage: int, packed: bool, arch: int, paired: bool = False,
     return (None if sass is None else loop_body(sass)), rows * bkw * 8 * unroll / (32 * warps)
 
 
+def _moe_stage(cfg, stage: int, arch: int, **meta_extra) -> tuple[object, list[str] | None, str]:
+    """(compiled kernel, its SASS or None, kernel name) of one one-token mxfp4_moe stage with `cfg` as
+    the engine would launch it (paired words, packed input, PDL)."""
+    from sparkchat.engine.kernels import mxfp4_moe as m
+
+    plan = m._plan(1, K, H, INTER, cfg, True, x_packed=True)
+    if stage == 1:
+        fn = m.mxfp4_moe_stage1_vec_kernel if plan.vec1 else m.mxfp4_moe_stage1_kernel
+        sig, meta = dict(_STAGE1_SIG, x_ptr="*i32", act_ptr="*bf16"), plan.meta1
+    else:
+        fn = m.mxfp4_moe_stage2_vec_kernel if plan.vec2 else m.mxfp4_moe_stage2_kernel
+        sig, meta = dict(_STAGE2_SIG, act_ptr="*i32"), {**plan.meta2, "HAS_ADD": True}
+    meta = {**meta, "PDL": True, "INTERPRET": False, **meta_extra}
+    warps, maxnreg = meta.pop("num_warps"), meta.pop("maxnreg", None)
+    kernel = compile_kernel(fn, sig, meta, warps, arch, maxnreg=maxnreg)
+    return kernel, disassemble(kernel, fn.__name__), fn.__name__
+
+
 def moe_loads_before_wait(stage: int, preload: bool, arch: int = 90) -> tuple[int, int] | None:
     """(weight loads issued before the PDL wait, all global loads) in the SASS of one one-token mxfp4_moe
     stage, tuned config with or without `preload` (None where cuobjdump cannot read the architecture).
@@ -132,14 +150,7 @@ def moe_loads_before_wait(stage: int, preload: bool, arch: int = 90) -> tuple[in
     from sparkchat.engine.kernels import mxfp4_moe as m
 
     cfg = replace(m.moe_config(1, H, INTER), preload1=preload, preload2=preload)
-    plan = m._plan(1, K, H, INTER, cfg, True, x_packed=True)
-    if stage == 1:
-        fn, sig, meta = m.mxfp4_moe_stage1_kernel, dict(_STAGE1_SIG, x_ptr="*i32"), dict(plan.meta1)
-    else:
-        fn, sig, meta = m.mxfp4_moe_stage2_kernel, _STAGE2_SIG, dict(plan.meta2, HAS_ADD=True)
-    meta = {**meta, "PDL": True, "INTERPRET": False}
-    warps = meta.pop("num_warps")
-    sass = compile_sass(fn, sig, meta, warps, arch)
+    _, sass, _ = _moe_stage(cfg, stage, arch)
     if sass is None:
         return None
     ops = [_op(i) for i in sass]
@@ -156,16 +167,7 @@ def moe_vec_loads(stage: int, arch: int = 90, fence: bool = True) -> tuple[dict,
     from sparkchat.engine.kernels import mxfp4_moe as m
 
     cfg = replace(m.moe_config(1, H, INTER), vec1=True, bn1=16, bkw1=64, warps1=8, maxnreg1=80, vec2=True)
-    plan = m._plan(1, K, H, INTER, cfg, True, x_packed=True)
-    if stage == 1:
-        fn, meta, sig = m.mxfp4_moe_stage1_vec_kernel, plan.meta1, dict(_STAGE1_SIG, x_ptr="*i32", act_ptr="*bf16")
-    else:
-        fn, meta = m.mxfp4_moe_stage2_vec_kernel, {**plan.meta2, "HAS_ADD": True}
-        sig = dict(_STAGE2_SIG, act_ptr="*i32")
-    meta = {**meta, "PDL": True, "INTERPRET": False, "FENCE": fence}
-    warps, maxnreg = meta.pop("num_warps"), meta.pop("maxnreg", None)
-    kernel = compile_kernel(fn, sig, meta, warps, arch, maxnreg=maxnreg)
-    sass = disassemble(kernel, fn.__name__)
+    kernel, sass, name = _moe_stage(cfg, stage, arch, FENCE=fence)
     if sass is None:
         return None
     ops = [_op(ins) for ins in sass]
@@ -175,7 +177,7 @@ def moe_vec_loads(stage: int, arch: int = 90, fence: bool = True) -> tuple[dict,
         if ops[i] == "LDG":
             kind = ins.split()[1] if ins.startswith("@") else ins.split()[0]
             kinds.setdefault(kind, [0, 0])[i > split] += 1
-    return kinds, registers(kernel, fn.__name__)
+    return kinds, registers(kernel, name)
 
 
 def router_sass(arch: int) -> list[str] | None:

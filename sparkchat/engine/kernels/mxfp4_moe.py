@@ -177,7 +177,7 @@ def _pack_x(base, word, INTERPRET: tl.constexpr, XPACKED: tl.constexpr = False, 
     """The 8 activations of each word column `word` (at base + 8 * word) as 4 bf16x2 int32 [BKW]:
     x[i] * 2^100 in the low half, x[i + 4] * 2^100 in the high half. The interpreter gets the scaled
     values as 8 fp32 [BKW], rounded to bf16, instead. XPACKED: base points at int32 words already in
-    that form (_store_packed), in 4 planes of PLANE words: just loaded."""
+    that form (_store_packed), in 4 planes of PLANE words (= row length / 8): just loaded."""
     out = ()
     if XPACKED:
         for i in tl.static_range(4):
@@ -472,7 +472,7 @@ def mxfp4_moe_stage1_kernel(
             row0s = row0s + (nb * (RS * BN) + (r // 2) * BN + (r % 2) * I,)  # even r: gate rows, odd r: up rows
         accs = _stream(_zeros(NT * R, BN, BKW), w_e, s_e, row0s, HW, HG, HW, x_ptr, x_offs, valid,
                        BN, BKW, R, NT, DEDUPE, UNROLL, PREFETCH, False, PACKED, INTERPRET, PAIRED, X_PACKED, PRELOAD,
-                       H // 8 if X_PACKED else 0)
+                       H // 8)
         lim = tl.where(limit > 0, limit, float("inf"))
         for t in tl.static_range(NT):
             out = act_ptr + slots[t] * I + nb * (RS * BN) + sub
@@ -614,10 +614,8 @@ def mxfp4_moe_stage1_vec_kernel(
     acc_g = tl.zeros([BN, G], dtype=tl.float32)
     acc_u = tl.zeros([BN, G], dtype=tl.float32)
     for k in tl.static_range(HW // BKW):
-        acc_g += _group_dot(ws[2 * k], ss[2 * k], base, k * BKW + word, INTERPRET, PAIRED, X_PACKED,
-                            H // 8 if X_PACKED else 0)
-        acc_u += _group_dot(ws[2 * k + 1], ss[2 * k + 1], base, k * BKW + word, INTERPRET, PAIRED, X_PACKED,
-                            H // 8 if X_PACKED else 0)
+        acc_g += _group_dot(ws[2 * k], ss[2 * k], base, k * BKW + word, INTERPRET, PAIRED, X_PACKED, H // 8)
+        acc_u += _group_dot(ws[2 * k + 1], ss[2 * k + 1], base, k * BKW + word, INTERPRET, PAIRED, X_PACKED, H // 8)
     g = tl.sum(acc_g, axis=1)
     u = tl.sum(acc_u, axis=1)
     lim = tl.where(limit > 0, limit, float("inf"))
@@ -660,8 +658,7 @@ def mxfp4_moe_stage2_vec_kernel(
     base = act_ptr + s * (I // 2 if ACT_PACKED else I)
     acc = tl.zeros([BN, G], dtype=tl.float32)
     for k in tl.static_range(IW // BKW):
-        acc += _group_dot(ws[k], ss[k], base, k * BKW + word, INTERPRET, PAIRED, ACT_PACKED,
-                          I // 8 if ACT_PACKED else 0)
+        acc += _group_dot(ws[k], ss[k], base, k * BKW + word, INTERPRET, PAIRED, ACT_PACKED, I // 8)
     tl.store(part_ptr + s * H + rows, tl.sum(acc, axis=1))
     _sum_slots(part_ptr, cnt_ptr, y_ptr, add_ptr, nb, rows, T, K, H, 1, BN, HAS_ADD)
 
