@@ -36,7 +36,7 @@ def compile_kernel(fn, signature: dict, constexprs: dict, warps: int, arch: int,
     """fn compiled for sm_<arch> (its .asm holds "ptx" and "cubin", .metadata.shared its shared memory),
     pointers marked 16-byte aligned."""
     sig = {**signature, **{k: "constexpr" for k in constexprs}}
-    pointers = [i for i, v in enumerate(signature.values()) if v.startswith("*")]
+    pointers = [fn.arg_names.index(name) for name, v in signature.items() if v.startswith("*")]  # by position
     attrs = {(i,): [["tt.divisibility", 16]] for i in pointers}
     options = {"num_warps": warps} if stages is None else {"num_warps": warps, "num_stages": stages}
     if maxnreg is not None:

@@ -444,12 +444,39 @@ def mxfp4_moe_stage1_kernel(
     PACKED: tl.constexpr = False, INTERPRET: tl.constexpr = False, PDL: tl.constexpr = False,
     PAIRED: tl.constexpr = False, ACT_PACKED: tl.constexpr = False, X_PACKED: tl.constexpr = False,
     PRELOAD: tl.constexpr = False,
+    xs_ptr=None, shw_ptr=None, shs_ptr=None, sha_ptr=None, sh_limit=0.0,
+    SHARED: tl.constexpr = 0, SH_UP: tl.constexpr = 0, SH_BK: tl.constexpr = 0,
 ):
     """ACT_PACKED: act_ptr is bf16, written as _store_packed lays it out for stage 2 (PACKED only).
     X_PACKED (PACKED only): x_ptr is int32 [T, H/2], x already as the bf16x2 words _pack_x builds, in
-    planes (pack_moe_x's layout, written by the add+norm kernel before the MoE: _store_packed)."""
+    planes (pack_moe_x's layout, written by the add+norm kernel before the MoE: _store_packed).
+    SHARED > 0 (one token): slots T*K .. T*K + SHARED - 1 are the shared expert's programs, each taking
+    1/SHARED of its block's rows (_shared_gate_up; x plain at xs_ptr, act to sha_ptr)."""
     s = tl.program_id(0)  # slot t*K + k
     nb = tl.program_id(1)  # block of RS*BN gate rows (and the matching up rows)
+    if SHARED > 0:  # (nested: a kernel without SHARED compiles no branch at all)
+        if s >= T * K:
+            BSH: tl.constexpr = RS * BN // SHARED
+            _shared_gate_up(xs_ptr, shw_ptr, shs_ptr, sha_ptr, sh_limit, nb * (RS * BN) + (s - T * K) * BSH, H,
+                            SH_UP, BSH, SH_BK, PDL, not INTERPRET)
+        else:
+            _stage1_routed(x_ptr, ids_ptr, rw_ptr, w13_ptr, s13_ptr, act_ptr, limit, s, nb, T, K, H, I, BN, RS, BKW,
+                           UNROLL, NT, K_PAD, S_PAD, DEDUPE, PREFETCH, PACKED, INTERPRET, PDL, PAIRED, ACT_PACKED,
+                           X_PACKED, PRELOAD)
+    else:
+        _stage1_routed(x_ptr, ids_ptr, rw_ptr, w13_ptr, s13_ptr, act_ptr, limit, s, nb, T, K, H, I, BN, RS, BKW,
+                       UNROLL, NT, K_PAD, S_PAD, DEDUPE, PREFETCH, PACKED, INTERPRET, PDL, PAIRED, ACT_PACKED,
+                       X_PACKED, PRELOAD)
+
+
+@triton.jit
+def _stage1_routed(x_ptr, ids_ptr, rw_ptr, w13_ptr, s13_ptr, act_ptr, limit, s, nb,
+                   T: tl.constexpr, K: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
+                   BN: tl.constexpr, RS: tl.constexpr, BKW: tl.constexpr, UNROLL: tl.constexpr,
+                   NT: tl.constexpr, K_PAD: tl.constexpr, S_PAD: tl.constexpr, DEDUPE: tl.constexpr,
+                   PREFETCH: tl.constexpr, PACKED: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
+                   PAIRED: tl.constexpr, ACT_PACKED: tl.constexpr, X_PACKED: tl.constexpr, PRELOAD: tl.constexpr):
+    """mxfp4_moe_stage1_kernel's routed programs: slot s, block nb."""
     pdl_wait(PDL)  # the expert ids may come from the kernel just before: nothing to load earlier
     e = tl.load(ids_ptr + s).to(tl.int32)
     if DEDUPE:
@@ -496,15 +523,42 @@ def mxfp4_moe_stage2_kernel(
     NT: tl.constexpr, K_PAD: tl.constexpr, S_PAD: tl.constexpr, DEDUPE: tl.constexpr, PREFETCH: tl.constexpr,
     PACKED: tl.constexpr = False, INTERPRET: tl.constexpr = False, PDL: tl.constexpr = False,
     PAIRED: tl.constexpr = False, ACT_PACKED: tl.constexpr = False, PRELOAD: tl.constexpr = False,
+    shw_ptr=None, shs_ptr=None, sha_ptr=None, sh_limit=0.0, SHARED: tl.constexpr = 0, SH_BK: tl.constexpr = 0,
+    SH_GU: tl.constexpr = 0,
 ):
     """With PDL, the expert ids (written by the router, two or more kernels back) and the first step's
     weights are read before pdl_wait: the down weights start streaming during stage 1's tail.
-    ACT_PACKED: act_ptr is int32, stage 1's packed act (_store_packed, planes of I/8 words)."""
+    ACT_PACKED: act_ptr is int32, stage 1's packed act (_store_packed, planes of I/8 words).
+    SHARED > 0 (one token): slots T*K .. T*K + SHARED - 1 run the shared expert's down rows
+    (_shared_down, into part row T*K), which _sum_slots adds after the routed experts' sum; their act is
+    stage 1's (sha_ptr fp32), or with SH_GU > 0 the SwiGLU of a gate|up GEMV's bf16 output at sha_ptr."""
     nb = tl.program_id(0)  # block of RS*BN output rows
     s = tl.program_id(1)  # slot t*K + k
+    rows = nb * (RS * BN) + tl.arange(0, BN)
+    if SHARED > 0:
+        if s >= T * K:
+            BSH: tl.constexpr = RS * BN // SHARED
+            _shared_down(sha_ptr, shw_ptr, shs_ptr, part_ptr + T * K * H, nb * (RS * BN) + (s - T * K) * BSH,
+                         sh_limit, I, BSH, SH_BK, SH_GU, PDL, not INTERPRET)
+        else:
+            _stage2_routed(act_ptr, ids_ptr, w2_ptr, s2_ptr, part_ptr, s, nb, rows, T, K, H, I, BN, RS, BKW, UNROLL,
+                           NT, K_PAD, S_PAD, DEDUPE, PREFETCH, PACKED, INTERPRET, PDL, PAIRED, ACT_PACKED, PRELOAD)
+    else:
+        _stage2_routed(act_ptr, ids_ptr, w2_ptr, s2_ptr, part_ptr, s, nb, rows, T, K, H, I, BN, RS, BKW, UNROLL, NT,
+                       K_PAD, S_PAD, DEDUPE, PREFETCH, PACKED, INTERPRET, PDL, PAIRED, ACT_PACKED, PRELOAD)
+    _sum_slots(part_ptr, cnt_ptr, y_ptr, add_ptr, nb, rows, T, K, H, RS, BN, HAS_ADD, SHARED)
+
+
+@triton.jit
+def _stage2_routed(act_ptr, ids_ptr, w2_ptr, s2_ptr, part_ptr, s, nb, rows,
+                   T: tl.constexpr, K: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
+                   BN: tl.constexpr, RS: tl.constexpr, BKW: tl.constexpr, UNROLL: tl.constexpr,
+                   NT: tl.constexpr, K_PAD: tl.constexpr, S_PAD: tl.constexpr, DEDUPE: tl.constexpr,
+                   PREFETCH: tl.constexpr, PACKED: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
+                   PAIRED: tl.constexpr, ACT_PACKED: tl.constexpr, PRELOAD: tl.constexpr):
+    """mxfp4_moe_stage2_kernel's routed programs: slot s, row block nb -> part[slot, rows]."""
     IW: tl.constexpr = I // 8
     IG: tl.constexpr = I // 32
-    rows = nb * (RS * BN) + tl.arange(0, BN)
     e = tl.load(ids_ptr + s).to(tl.int32)
     if DEDUPE:
         work = _is_first(ids_ptr, e, s, T * K, S_PAD)
@@ -530,18 +584,18 @@ def mxfp4_moe_stage2_kernel(
                 tl.store(out + r * BN, tl.sum(accs[t * RS + r], axis=1), mask=valid[t] & (rows >= 0))
     else:
         pdl_wait(PDL)
-    _sum_slots(part_ptr, cnt_ptr, y_ptr, add_ptr, nb, rows, T, K, H, RS, BN, HAS_ADD)
 
 
 @triton.jit
 def _sum_slots(part_ptr, cnt_ptr, y_ptr, add_ptr, nb, rows, T: tl.constexpr, K: tl.constexpr, H: tl.constexpr,
-               RS: tl.constexpr, BN: tl.constexpr, HAS_ADD: tl.constexpr):
-    """Stage 2's end: the last of the T*K programs of row block nb (RS tiles of BN rows from `rows`) sums
-    the slots' partials in slot order into y bf16, plus the shared expert's output (HAS_ADD), and
-    resets the block's arrival counter (this program's stores -> barrier -> release)."""
+               RS: tl.constexpr, BN: tl.constexpr, HAS_ADD: tl.constexpr, SHARED: tl.constexpr = 0):
+    """Stage 2's end: the last of the T*K (+ SHARED) programs of row block nb (RS tiles of BN rows from
+    `rows`) sums the slots' partials in slot order into y bf16, plus the shared expert's output (HAS_ADD:
+    add_ptr; SHARED: part row T*K, from the shared-expert programs), and resets the block's arrival
+    counter (this program's stores -> barrier -> release)."""
     tl.debug_barrier()
     done = tl.atomic_add(cnt_ptr + nb, 1, sem="acq_rel", scope="gpu")
-    if done == T * K - 1:
+    if done == T * K + SHARED - 1:
         tl.debug_barrier()
         for t in tl.static_range(T):
             for r in tl.static_range(RS):
@@ -551,6 +605,9 @@ def _sum_slots(part_ptr, cnt_ptr, y_ptr, add_ptr, nb, rows, T: tl.constexpr, K: 
                 y = y.to(tl.bfloat16)
                 if HAS_ADD:  # the shared expert's output, added as torch adds two bf16 tensors
                     y = (y.to(tl.float32) + tl.load(add_ptr + t * H + rows + r * BN).to(tl.float32)).to(tl.bfloat16)
+                if SHARED > 0:  # the same add, the shared output already a bf16 value (one token)
+                    sh = tl.load(part_ptr + T * K * H + rows + r * BN, cache_modifier=".cg")
+                    y = (y.to(tl.float32) + sh).to(tl.bfloat16)
                 tl.store(y_ptr + t * H + rows + r * BN, y)
         tl.store(cnt_ptr + nb, 0)  # ready for the next launch
 
@@ -560,6 +617,80 @@ def _issue_fence():
     """A warp barrier (bar.warp.sync): ptxas keeps the global loads before it in front of it, so every
     load above is issued before the multiplies below (it sinks them next to their uses otherwise)."""
     tl.inline_asm_elementwise("bar.warp.sync -1; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _fp8_rows_preload(w_ptr, s_ptr, r0, K: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr):
+    """Rows [r0, r0 + BS) of an FP8 weight [*, K] with 128 x 128 block scales s [*, ceil(K / 128)]: every
+    step's [BS, BK] tile and the block scale of each 16-column vector [BK // 16], loaded up front (the
+    rows lie in one 128-row block: BS divides 128 and r0 is a multiple of BS)."""
+    V: tl.constexpr = 16 if BK >= 16 else BK  # a thread's 16-byte vector: inside one scale block
+    KB: tl.constexpr = (K + 127) // 128
+    cols = tl.arange(0, BK)
+    seg = tl.arange(0, BK // V) * V
+    wp = w_ptr + (r0 + tl.arange(0, BS))[:, None] * K + cols[None, :]
+    sp = s_ptr + (r0 // 128) * KB
+    ws = ()
+    ss = ()
+    for k in tl.static_range(K // BK):
+        ws = ws + (tl.load(wp + k * BK),)
+        ss = ss + (tl.load(sp + (k * BK + seg) // 128),)
+    return ws, ss
+
+
+@triton.jit
+def _fp8_rows_dot(ws, ss, x_ptr, K: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr, GU: tl.constexpr = 0,
+                  lim=float("inf")):
+    """The preloaded rows (_fp8_rows_preload) . x [K] (x_ptr, bf16 or fp32) -> fp32 [BS]: each thread sums
+    its own vector's 16 products and scales that sum once, into [BS, BK // 16] accumulators reduced
+    across lanes only at the end. GU > 0: x_ptr holds a gate|up projection's bf16 output, up from column
+    GU, and x is their clamped SwiGLU (limit lim), rounded to bf16 as fp8_block_gemv_swiglu rounds it."""
+    V: tl.constexpr = 16 if BK >= 16 else BK
+    cols = tl.arange(0, BK)
+    acc = tl.zeros([BS, BK // V], dtype=tl.float32)
+    for k in tl.static_range(K // BK):
+        xv = tl.load(x_ptr + k * BK + cols).to(tl.float32)
+        if GU > 0:
+            up = tl.load(x_ptr + GU + k * BK + cols).to(tl.float32)
+            xv = _bf16_round(tl.minimum(xv / (1.0 + tl.exp(-xv)), lim) * tl.minimum(tl.maximum(up, -lim), lim))
+        p = ws[k].to(tl.float32) * xv[None, :]
+        acc += tl.sum(tl.reshape(p, [BS, BK // V, V]), axis=2) * ss[k][None, :]
+    return tl.sum(acc, axis=1)
+
+
+@triton.jit
+def _shared_gate_up(x_ptr, w_ptr, s_ptr, act_ptr, limit, r0, H: tl.constexpr, UP: tl.constexpr,
+                    BS: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr, FENCE: tl.constexpr):
+    """Stage 1's shared-expert programs (MoE with `shared`): one token's gate rows [r0, r0 + BS) of the
+    shared expert's fused FP8 gate|up weight and the matching up rows (at row UP + r). Nothing here
+    depends on the routing, so every weight and scale load is issued before the PDL wait: they stream
+    while the router's kernels run. Then the SwiGLU -> act_ptr[r0 : r0 + BS] fp32, rounded as the shared
+    MLP's own kernels round it (its gate|up output to bf16, the SwiGLU to bf16)."""
+    gs, sgs = _fp8_rows_preload(w_ptr, s_ptr, r0, H, BS, BK)
+    us, sus = _fp8_rows_preload(w_ptr, s_ptr, UP + r0, H, BS, BK)
+    if FENCE:
+        _issue_fence()
+    pdl_wait(PDL)
+    g = _bf16_round(_fp8_rows_dot(gs, sgs, x_ptr, H, BS, BK))
+    u = _bf16_round(_fp8_rows_dot(us, sus, x_ptr, H, BS, BK))
+    lim = tl.where(limit > 0, limit, float("inf"))
+    a = tl.minimum(g / (1.0 + tl.exp(-g)), lim) * tl.minimum(tl.maximum(u, -lim), lim)
+    tl.store(act_ptr + r0 + tl.arange(0, BS), _bf16_round(a))
+
+
+@triton.jit
+def _shared_down(act_ptr, w_ptr, s_ptr, out_ptr, r0, limit, I: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr,
+                 GU: tl.constexpr, PDL: tl.constexpr, FENCE: tl.constexpr):
+    """Stage 2's shared-expert programs: one token's rows [r0, r0 + BS) of the shared expert's FP8 down
+    projection, its weights and scales loaded before the PDL wait, then its act -> out_ptr[r0 : r0 + BS]
+    fp32, holding the bf16 the down GEMV would give (_sum_slots adds it). The act: stage 1's (GU = 0), or
+    (GU > 0: up at column GU) the SwiGLU of the gate|up GEMV's output, made as it is loaded."""
+    ws, ss = _fp8_rows_preload(w_ptr, s_ptr, r0, I, BS, BK)
+    if FENCE:
+        _issue_fence()
+    pdl_wait(PDL)
+    lim = tl.where(limit > 0, limit, float("inf"))
+    tl.store(out_ptr + r0 + tl.arange(0, BS), _bf16_round(_fp8_rows_dot(ws, ss, act_ptr, I, BS, BK, GU, lim)))
 
 
 @triton.jit
@@ -580,6 +711,8 @@ def mxfp4_moe_stage1_vec_kernel(
     K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, BN: tl.constexpr, BKW: tl.constexpr,
     INTERPRET: tl.constexpr = False, PDL: tl.constexpr = False, PAIRED: tl.constexpr = False,
     ACT_PACKED: tl.constexpr = False, X_PACKED: tl.constexpr = False, FENCE: tl.constexpr = True,
+    xs_ptr=None, shw_ptr=None, shs_ptr=None, sha_ptr=None, sh_limit=0.0,
+    SHARED: tl.constexpr = 0, SH_UP: tl.constexpr = 0, SH_BK: tl.constexpr = 0,
 ):
     """Stage 1 for one token per program (slot s, block nb of BN gate rows and the matching up rows), its
     weights in 16-byte loads: a thread holds whole MX groups (4 consecutive words, one scale byte), so a
@@ -588,9 +721,28 @@ def mxfp4_moe_stage1_vec_kernel(
     from sinking them next to their multiplies (_issue_fence) — then multiplied, products in bf16x2 as
     _WORD_DOT_ASM, each group's sum scaled once: the packed stage 1's products, summed in another order.
     MoeConfig.maxnreg1 caps the registers that holding every load takes, so that the programs of one
-    token (384 of 8 warps at Ling's shape) fit the GPU at once."""
+    token (384 of 8 warps at Ling's shape) fit the GPU at once. SHARED: as mxfp4_moe_stage1_kernel's."""
     s = tl.program_id(0)  # slot t*K + k: token s // K
     nb = tl.program_id(1)
+    if SHARED > 0:
+        if s >= K:  # one token
+            BSH: tl.constexpr = BN // SHARED
+            _shared_gate_up(xs_ptr, shw_ptr, shs_ptr, sha_ptr, sh_limit, nb * BN + (s - K) * BSH, H, SH_UP, BSH,
+                            SH_BK, PDL, FENCE and not INTERPRET)
+        else:
+            _stage1_vec_routed(x_ptr, ids_ptr, rw_ptr, w13_ptr, s13_ptr, act_ptr, limit, s, nb, K, H, I, BN, BKW,
+                               INTERPRET, PDL, PAIRED, ACT_PACKED, X_PACKED, FENCE)
+    else:
+        _stage1_vec_routed(x_ptr, ids_ptr, rw_ptr, w13_ptr, s13_ptr, act_ptr, limit, s, nb, K, H, I, BN, BKW,
+                           INTERPRET, PDL, PAIRED, ACT_PACKED, X_PACKED, FENCE)
+
+
+@triton.jit
+def _stage1_vec_routed(x_ptr, ids_ptr, rw_ptr, w13_ptr, s13_ptr, act_ptr, limit, s, nb,
+                       K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, BN: tl.constexpr, BKW: tl.constexpr,
+                       INTERPRET: tl.constexpr, PDL: tl.constexpr, PAIRED: tl.constexpr, ACT_PACKED: tl.constexpr,
+                       X_PACKED: tl.constexpr, FENCE: tl.constexpr):
+    """mxfp4_moe_stage1_vec_kernel's routed programs: slot s, block nb."""
     pdl_wait(PDL)
     e = tl.load(ids_ptr + s).to(tl.int32)
     rw = tl.load(rw_ptr + s).to(tl.float32)
@@ -633,16 +785,38 @@ def mxfp4_moe_stage2_vec_kernel(
     T: tl.constexpr, K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, HAS_ADD: tl.constexpr,
     BN: tl.constexpr, BKW: tl.constexpr, INTERPRET: tl.constexpr = False, PDL: tl.constexpr = False,
     PAIRED: tl.constexpr = False, ACT_PACKED: tl.constexpr = False, FENCE: tl.constexpr = True,
+    shw_ptr=None, shs_ptr=None, sha_ptr=None, sh_limit=0.0, SHARED: tl.constexpr = 0, SH_BK: tl.constexpr = 0,
+    SH_GU: tl.constexpr = 0,
 ):
     """Stage 2 for one token per program (row block nb of BN output rows, slot s) in 16-byte loads, as
     mxfp4_moe_stage1_vec_kernel: every step's down weights and scales are loaded, fenced, and only then
-    does the program wait for stage 1 (PDL) and read its act (planes, 16 bytes a load when ACT_PACKED)."""
+    does the program wait for stage 1 (PDL) and read its act (planes, 16 bytes a load when ACT_PACKED).
+    SHARED: as mxfp4_moe_stage2_kernel's."""
     nb = tl.program_id(0)
     s = tl.program_id(1)  # slot t*K + k
+    rows = nb * BN + tl.arange(0, BN)
+    if SHARED > 0:
+        if s >= T * K:
+            BSH: tl.constexpr = BN // SHARED
+            _shared_down(sha_ptr, shw_ptr, shs_ptr, part_ptr + T * K * H, nb * BN + (s - T * K) * BSH, sh_limit, I,
+                         BSH, SH_BK, SH_GU, PDL, FENCE and not INTERPRET)
+        else:
+            _stage2_vec_routed(act_ptr, ids_ptr, w2_ptr, s2_ptr, part_ptr, s, rows, H, I, BN, BKW, INTERPRET, PDL,
+                               PAIRED, ACT_PACKED, FENCE)
+    else:
+        _stage2_vec_routed(act_ptr, ids_ptr, w2_ptr, s2_ptr, part_ptr, s, rows, H, I, BN, BKW, INTERPRET, PDL,
+                           PAIRED, ACT_PACKED, FENCE)
+    _sum_slots(part_ptr, cnt_ptr, y_ptr, add_ptr, nb, rows, T, K, H, 1, BN, HAS_ADD, SHARED)
+
+
+@triton.jit
+def _stage2_vec_routed(act_ptr, ids_ptr, w2_ptr, s2_ptr, part_ptr, s, rows, H: tl.constexpr, I: tl.constexpr,
+                       BN: tl.constexpr, BKW: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
+                       PAIRED: tl.constexpr, ACT_PACKED: tl.constexpr, FENCE: tl.constexpr):
+    """mxfp4_moe_stage2_vec_kernel's routed programs: slot s -> part[s, rows]."""
     IW: tl.constexpr = I // 8
     IG: tl.constexpr = I // 32
     G: tl.constexpr = BKW // 4
-    rows = nb * BN + tl.arange(0, BN)
     word = tl.arange(0, BKW)
     e = tl.load(ids_ptr + s).to(tl.int32)  # written by the router, two kernels back: safe before the wait
     w_ptr = w2_ptr + e.to(tl.int64) * (H * IW) + rows[:, None] * IW + word[None, :]
@@ -660,7 +834,6 @@ def mxfp4_moe_stage2_vec_kernel(
     for k in tl.static_range(IW // BKW):
         acc += _group_dot(ws[k], ss[k], base, k * BKW + word, INTERPRET, PAIRED, ACT_PACKED, I // 8)
     tl.store(part_ptr + s * H + rows, tl.sum(acc, axis=1))
-    _sum_slots(part_ptr, cnt_ptr, y_ptr, add_ptr, nb, rows, T, K, H, 1, BN, HAS_ADD)
 
 
 @dataclass(frozen=True)
@@ -747,8 +920,8 @@ def pack_moe_x(x: torch.Tensor) -> torch.Tensor:
 @dataclass
 class MoeWorkspace:
     """Scratch for one mxfp4_moe call shape; reusable across calls and layers (stream-ordered)."""
-    act: torch.Tensor  # fp32 [T*K, I]
-    part: torch.Tensor  # fp32 [T*K, H]
+    act: torch.Tensor  # fp32 [T*K + 1, I]: the slots' act, then the shared expert's (when fused)
+    part: torch.Tensor  # fp32 [T*K + 1, H]: the slots' partial outputs, then the shared expert's
     count: torch.Tensor  # int32 [>= H / bn2], zero between launches
 
 
@@ -756,10 +929,44 @@ def mxfp4_moe_workspace(T: int, K: int, H: int, I: int, device) -> MoeWorkspace:
     """Scratch for one call shape. The counters are shared by every call (each launch leaves them zero):
     a fresh zeroed buffer per call cost a fill kernel per MoE layer."""
     return MoeWorkspace(
-        act=torch.empty(T * K, I, dtype=torch.float32, device=device),
-        part=torch.empty(T * K, H, dtype=torch.float32, device=device),
+        act=torch.empty(T * K + 1, I, dtype=torch.float32, device=device),
+        part=torch.empty(T * K + 1, H, dtype=torch.float32, device=device),
         count=arrival_counters("mxfp4_moe", device, max(1, H // 4)),
     )
+
+
+@dataclass(frozen=True)
+class SharedExpert:
+    """A MoE layer's shared expert in the release's FP8 form, for the routed stages to run alongside
+    the routed experts (mxfp4_moe's `shared`): gate|up fused in one weight, down apart, 128 x 128 block
+    scales (fp32 scale_inv) — the tensors the shared MLP's own Linear modules hold."""
+    gate_up: torch.Tensor  # float8_e4m3fn [>= up + I, H]: gate rows 0..I-1, up rows from `up`
+    gate_up_scale: torch.Tensor  # fp32 [rows / 128, ceil(H / 128)]
+    up: int  # the up rows' first row (a multiple of 128: FusedLinear pads its parts to whole blocks)
+    down: torch.Tensor  # float8_e4m3fn [H, I]
+    down_scale: torch.Tensor  # fp32 [ceil(H / 128), ceil(I / 128)]
+    limit: float  # its SwiGLU clamp (0: none)
+
+    def unsupported(self, H: int, inter: int) -> str | None:
+        """None when the routed stages can run this shared expert for experts of hidden size H and
+        intermediate size `inter`, else why not."""
+        fp8 = torch.float8_e4m3fn
+        if self.gate_up.dtype != fp8 or self.down.dtype != fp8:
+            return "the shared expert's weights are not FP8"
+        if self.gate_up_scale.dtype != torch.float32 or self.down_scale.dtype != torch.float32:
+            return "the shared expert's block scales are not fp32"
+        if not (self.gate_up.is_contiguous() and self.down.is_contiguous()
+                and self.gate_up_scale.is_contiguous() and self.down_scale.is_contiguous()):
+            return "the shared expert's tensors are not contiguous"
+        if self.gate_up.shape[1] != H or self.gate_up.shape[0] < self.up + inter or self.up % 128:
+            return "the shared expert's gate|up does not match the routed experts' shape"
+        if tuple(self.down.shape) != (H, inter):
+            return "the shared expert's intermediate size differs from the routed experts'"
+        if self.gate_up_scale.shape != (triton.cdiv(self.gate_up.shape[0], 128), triton.cdiv(H, 128)):
+            return "the shared expert's gate|up scales are not 128 x 128 blocks"
+        if self.down_scale.shape != (triton.cdiv(H, 128), triton.cdiv(inter, 128)):
+            return "the shared expert's down scales are not 128 x 128 blocks"
+        return None
 
 
 def _pow2(n: int) -> int:
@@ -795,6 +1002,8 @@ def mxfp4_moe(
     config: MoeConfig | None = None,
     paired: bool = False,  # w13 and w2 in paired word order (kernels/mxfp4_layout.py)
     x_packed: torch.Tensor | None = None,  # x as pack_moe_x lays it out (bf16 [T, H]), or None
+    shared: SharedExpert | None = None,  # the shared expert, run by the stages' own extra programs
+    shared_gate_up: torch.Tensor | None = None,  # with `shared`: its gate|up GEMV's output (bf16 [1, rows])
 ) -> torch.Tensor:
     """Routed MXFP4 experts for T tokens: sum_k w[t,k] * down_e(swiglu_L(gate_e x_t, up_e x_t)) -> bf16 [T, H].
 
@@ -802,6 +1011,12 @@ def mxfp4_moe(
     Pass `out` and `workspace` (mxfp4_moe_workspace) to allocate nothing, e.g. under CUDA graphs.
     `x_packed` (the add+norm kernel writes it): stage 1 reads its bf16x2 words instead of building them
     from x in every program; used where the products are packed, ignored elsewhere.
+    `shared` (one token only; see shared_fusable): the shared expert's output is computed and added by the
+    two stages themselves — its gate|up rows by extra stage-1 programs, its down rows by extra stage-2
+    programs, each loading its FP8 weights before its PDL wait — instead of by a side stream's two
+    GEMVs joined before stage 2 (`add`, `join`). With `shared_gate_up` (its gate|up GEMV's output, made
+    on a side stream: pass its `join`) only the down rows run in stage 2, which makes their SwiGLU input as
+    it loads it. Same roundings as the shared MLP's kernels.
     """
     T, H = x.shape
     E = w13.shape[0]
@@ -831,18 +1046,49 @@ def mxfp4_moe(
     use_xp = x_packed is not None and cfg.packed
     if use_xp:
         assert x_packed.shape == (T, H) and x_packed.dtype == torch.bfloat16 and x_packed.is_contiguous()
-    launch = _plan(T, K, H, inter, cfg, paired, x_packed=use_xp)
+    if shared is not None:
+        assert T == 1 and add is None, "a fused shared expert serves one token, and replaces `add`"
+        assert (join is None) == (shared_gate_up is None), "join: the side stream making shared_gate_up"
+        why = shared.unsupported(H, inter)
+        assert why is None, why
+        assert ws.act.numel() >= (K + 1) * inter and ws.part.numel() >= (K + 1) * H, "room for the shared expert"
+        if shared_gate_up is not None:
+            assert shared_gate_up.dtype == torch.bfloat16 and shared_gate_up.is_contiguous()
+            assert shared_gate_up.shape == (1, shared.gate_up.shape[0])
+    launch = _plan(T, K, H, inter, cfg, paired, x_packed=use_xp, shared_up=None if shared is None else shared.up,
+                   shared_stage1=shared_gate_up is None)
     assert ws.count.dtype == torch.int32 and ws.count.numel() >= launch.grid2[0], "one arrival counter a row block"
     w13_i32, w2_i32 = w13.view(torch.int32), w2.view(torch.int32)
     launch.stage1(x_packed.view(torch.int32) if use_xp else x, topk_ids, topk_weights, w13_i32, w13_scale, ws.act,
-                  float(swiglu_limit))
+                  float(swiglu_limit), shared=shared, x_plain=x)
     if join is not None:
         join()
     if add is not None:
         add = add.contiguous()
         assert add.shape == (T, H) and add.dtype == torch.bfloat16
-    launch.stage2(ws.act, topk_ids, w2_i32, w2_scale, ws.part, ws.count, out, add)
+    launch.stage2(ws.act, topk_ids, w2_i32, w2_scale, ws.part, ws.count, out, add, shared=shared,
+                  shared_gate_up=shared_gate_up)
     return out
+
+
+def shared_fusable(shared: SharedExpert, T: int, H: int, inter: int, config: MoeConfig | None = None) -> bool:
+    """True when mxfp4_moe can run `shared` inside its stages for T tokens of these shapes: one token,
+    and a shared expert whose FP8 weights match the routed experts' shape (Ling-3.0-flash's: I = 768)."""
+    cfg = config or moe_config(T, H, inter)
+    return T == 1 and shared.unsupported(H, inter) is None and _shared_split(cfg, inter, H) is not None
+
+
+def _shared_split(cfg: MoeConfig, inter: int, H: int) -> tuple[int, int] | None:
+    """The shared expert's programs per stage-1 row block and per stage-2 row block: two, so that each
+    reads about what a routed program reads (FP8 is twice the bytes of MXFP4 a weight), on fewer rows
+    when a block holds fewer than two; None when a block's rows would not divide evenly."""
+    bn1, bn2 = _fit(cfg.bn1, inter), _fit(cfg.bn2, H)
+    rows1 = bn1 if cfg.vec1 and cfg.packed else bn1 * _fit(cfg.rs1, inter // bn1)
+    rows2 = bn2 if cfg.vec2 and cfg.packed else bn2 * _fit(cfg.rs2, H // bn2)
+    split1, split2 = min(2, rows1), min(2, rows2)
+    if rows1 % split1 or rows2 % split2 or 128 % (rows1 // split1) or 128 % (rows2 // split2):
+        return None
+    return split1, split2
 
 
 @dataclass(frozen=True)
@@ -856,19 +1102,36 @@ class _Plan:
     vec1: bool = False
     vec2: bool = False
 
-    def stage1(self, x, ids, rw, w13_i32, s13, act, limit: float) -> None:
+    def stage1(self, x, ids, rw, w13_i32, s13, act, limit: float, shared: SharedExpert | None = None,
+               x_plain: torch.Tensor | None = None) -> None:
+        """`shared` (a plan made with shared=True): x_plain is the token's bf16 x; the shared expert's
+        act goes to act's row T*K."""
+        extra = {}
+        if self.meta1.get("SHARED", 0):
+            extra = dict(xs_ptr=x_plain, shw_ptr=shared.gate_up, shs_ptr=shared.gate_up_scale,
+                         sha_ptr=act[-1], sh_limit=float(shared.limit))
         act = act.view(torch.bfloat16) if self.meta1["ACT_PACKED"] else act  # the fp32 workspace, reused
         kernel = mxfp4_moe_stage1_vec_kernel if self.vec1 else mxfp4_moe_stage1_kernel
-        kernel[self.grid1](x, ids, rw, w13_i32, s13, act, limit, **self.meta1, **pdl_args(x.device))
+        kernel[self.grid1](x, ids, rw, w13_i32, s13, act, limit, **self.meta1, **extra, **pdl_args(x.device))
 
-    def stage2(self, act, ids, w2_i32, s2, part, count, out, add=None) -> None:
+    def stage2(self, act, ids, w2_i32, s2, part, count, out, add=None, shared: SharedExpert | None = None,
+               shared_gate_up: torch.Tensor | None = None) -> None:
+        """`shared`: its act is act's row T*K (made by stage 1), or with a plan for it, shared_gate_up."""
+        extra = {}
+        if self.meta2.get("SHARED", 0):
+            src = shared_gate_up if self.meta2["SH_GU"] else act[-1]
+            extra = dict(shw_ptr=shared.down, shs_ptr=shared.down_scale, sha_ptr=src, sh_limit=float(shared.limit))
         act = act.view(torch.int32) if self.meta2["ACT_PACKED"] else act
         kernel = mxfp4_moe_stage2_vec_kernel if self.vec2 else mxfp4_moe_stage2_kernel
         kernel[self.grid2](act, ids, w2_i32, s2, part, count, out, out if add is None else add,
-                                            HAS_ADD=add is not None, **self.meta2, **pdl_args(act.device))
+                           HAS_ADD=add is not None, **self.meta2, **extra, **pdl_args(act.device))
 
 
-def _plan(T: int, K: int, H: int, inter: int, cfg: MoeConfig, paired: bool = False, x_packed: bool = False) -> _Plan:
+def _plan(T: int, K: int, H: int, inter: int, cfg: MoeConfig, paired: bool = False, x_packed: bool = False,
+          shared_up: int | None = None, shared_stage1: bool = True) -> _Plan:
+    """shared_up: plan the shared expert's programs too (SharedExpert.up, its up rows' first row): its
+    gate|up in stage 1 and down in stage 2, or (shared_stage1 False) only its down, in stage 2, from the
+    gate|up GEMV's output."""
     dedupe = cfg.dedupe and T > 1
     bn1, bkw1 = _fit(cfg.bn1, inter), max(4, _fit(cfg.bkw1, H // 8))
     bn2, bkw2 = _fit(cfg.bn2, H), max(4, _fit(cfg.bkw2, inter // 8))
@@ -892,7 +1155,21 @@ def _plan(T: int, K: int, H: int, inter: int, cfg: MoeConfig, paired: bool = Fal
     else:
         meta2 = dict(common, BN=bn2, RS=rs2, BKW=bkw2, UNROLL=cfg.unroll2, num_warps=cfg.warps2,
                      PRELOAD=cfg.preload2 and cfg.packed)
-    return _Plan(grid1=(T * K, inter // (bn1 if vec1 else bn1 * rs1)), grid2=(H // (bn2 * rs2), T * K),
+    extra1 = extra2 = 0
+    meta1.update(SHARED=0, SH_UP=0, SH_BK=0)
+    meta2.update(SHARED=0, SH_BK=0, SH_GU=0)
+    if shared_up is not None:  # the shared expert's programs: extra slots after the routed ones (one token)
+        assert T == 1, "a fused shared expert serves one token"
+        split = _shared_split(cfg, inter, H)
+        assert split is not None, "the stages' row blocks do not divide between shared-expert programs"
+        extra1, extra2 = split
+        if shared_stage1:
+            meta1.update(SHARED=extra1, SH_UP=shared_up, SH_BK=_fit(512, H))
+        else:
+            extra1 = 0
+            assert shared_up > 0, "the up rows follow the gate rows"
+        meta2.update(SHARED=extra2, SH_BK=_fit(256, inter), SH_GU=0 if shared_stage1 else shared_up)
+    return _Plan(grid1=(T * K + extra1, inter // (bn1 if vec1 else bn1 * rs1)), grid2=(H // (bn2 * rs2), T * K + extra2),
                  meta1=meta1, meta2=meta2, vec1=vec1, vec2=vec2)
 
 
