@@ -125,18 +125,27 @@ def moe_loop(T: int, stage: int, packed: bool, arch: int, paired: bool = False,
     return (None if sass is None else loop_body(sass)), rows * bkw * 8 * unroll / (32 * warps)
 
 
-def _moe_stage(cfg, stage: int, arch: int, **meta_extra) -> tuple[object, list[str] | None, str]:
+_SHARED_SIG = {"shw_ptr": "*fp8e4nv", "shs_ptr": "*fp32", "sh_limit": "fp32"}  # + sha_ptr (+ xs_ptr)
+
+
+def _moe_stage(cfg, stage: int, arch: int, shared: int = 0, **meta_extra) -> tuple[object, list[str] | None, str]:
     """(compiled kernel, its SASS or None, kernel name) of one one-token mxfp4_moe stage with `cfg` as
-    the engine would launch it (paired words, packed input, PDL)."""
+    the engine would launch it (paired words, packed input, PDL). shared: the shared expert as
+    SPARKCHAT_MOE_SHARED runs it (1: its down in stage 2; 2: its gate|up in stage 1 too)."""
     from sparkchat.engine.kernels import mxfp4_moe as m
 
-    plan = m._plan(1, K, H, INTER, cfg, True, x_packed=True)
+    plan = m._plan(1, K, H, INTER, cfg, True, x_packed=True, shared_up=INTER if shared else None,
+                   shared_stage1=shared == 2)
     if stage == 1:
         fn = m.mxfp4_moe_stage1_vec_kernel if plan.vec1 else m.mxfp4_moe_stage1_kernel
         sig, meta = dict(_STAGE1_SIG, x_ptr="*i32", act_ptr="*bf16"), plan.meta1
+        if plan.meta1["SHARED"]:
+            sig.update(_SHARED_SIG, xs_ptr="*bf16", sha_ptr="*fp32")
     else:
         fn = m.mxfp4_moe_stage2_vec_kernel if plan.vec2 else m.mxfp4_moe_stage2_kernel
-        sig, meta = dict(_STAGE2_SIG, act_ptr="*i32"), {**plan.meta2, "HAS_ADD": True}
+        sig, meta = dict(_STAGE2_SIG, act_ptr="*i32"), {**plan.meta2, "HAS_ADD": not shared}
+        if shared:
+            sig.update(_SHARED_SIG, sha_ptr="*bf16" if plan.meta2["SH_GU"] else "*fp32")
     meta = {**meta, "PDL": True, "INTERPRET": False, **meta_extra}
     warps, maxnreg = meta.pop("num_warps"), meta.pop("maxnreg", None)
     kernel = compile_kernel(fn, sig, meta, warps, arch, maxnreg=maxnreg)
@@ -288,6 +297,26 @@ def prompt_gemm(arch: int, M: int, N: int = 20480, K: int = 2560, smem: int | No
     return kernel, cfg
 
 
+def moe_shared_report(arch: int) -> None:
+    """Registers, stack and SASS size of the one-token MoE stages as the engine runs them (tuned config,
+    and the 16-byte-load stages), with the shared expert beside them (SPARKCHAT_MOE_SHARED=0) or inside
+    them (1: its down in stage 2; 2: both projections)."""
+    from sparkchat.engine.kernels import mxfp4_moe as m
+
+    tuned = m.moe_config(1, H, INTER)
+    vec = replace(tuned, vec1=True, vec2=True, **m._VEC1[(1, H, INTER)])
+    for label, cfg in (("tuned", tuned), ("vec", vec)):
+        for stage in (1, 2):
+            for shared in (0, 1, 2):
+                if stage == 1 and shared == 1:
+                    continue  # stage 1 is unchanged by mode 1
+                kernel, sass, name = _moe_stage(cfg, stage, arch, shared)
+                ops = [_op(i) for i in sass] if sass else []
+                size = f", {len(ops)} instructions, {ops.count('LDG')} LDG" if sass else ""
+                print(f"  mxfp4_moe T=1 stage {stage} ({label}) SPARKCHAT_MOE_SHARED={shared}: "
+                      f"{registers(kernel, name)} registers, {stack_frame(kernel, name)} bytes of stack{size}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--arch", type=int, action="append", help="SM version, e.g. 90 (H200) or 121 (GB10)")
@@ -302,6 +331,7 @@ def main() -> None:
                     kind = ("bf16x2" if packed else "fp32 FMA") + (", paired words" if paired else "")
                     kind += (", packed act" if stage == 2 else ", packed x (from the norm)") if act else ""
                     report(f"mxfp4_moe T={T} stage {stage} {kind} (k loop)", body, weights)
+        moe_shared_report(arch)
         report("route_kernel (whole kernel, one warp)", router_sass(arch))
         kernel, weights = mma_gemv(arch)
         ptx = kernel.asm["ptx"]

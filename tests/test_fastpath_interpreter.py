@@ -50,10 +50,11 @@ from sparkchat.engine.nn.kda import KimiDeltaAttention
 from sparkchat.engine.nn.mla import MultiLatentAttention
 from sparkchat.engine.kernels.fp8_gemv import add_rms_norm, fp8_block_gemv_add_norm, fp8_block_gemv_swiglu
 from sparkchat.engine.nn.norm import RMSNorm
-calls, packed_x = [], []
+calls, packed_x, in_stages = [], [], []
 class CountingExperts(fastpath.ExpertsKernel):
     def __call__(self, x, *args, **kw):
         packed_x.append(hasattr(x, "moe_x"))
+        in_stages.append(kw.get("shared", False))
         return super().__call__(x, *args, **kw)
 def counted_add_norm(*args):
     calls.append(args[0].shape[0])
@@ -66,7 +67,10 @@ for m in model.modules():
     if isinstance(m, (KimiDeltaAttention, MultiLatentAttention)) and m.out_proj.is_fp8:
         m.out_proj.fast_add_norm = fp8_block_gemv_add_norm
     if isinstance(m, moe.MoE):
-        m.fast_experts = CountingExperts(m.experts)
+        # every other MoE layer runs its shared expert inside the routed stages (SPARKCHAT_MOE_SHARED=2)
+        moe_layers = getattr(model, "_moe_seen", 0)
+        model._moe_seen = moe_layers + 1
+        m.fast_experts = CountingExperts(m.experts, m.shared_experts, 2 if moe_layers % 2 else 0)
         m.experts.use_paired_words()  # as install() does on a GPU: the kernels read the paired word order
     elif isinstance(m, KimiDeltaAttention):
         m.fast_core = kda_decode
@@ -95,6 +99,7 @@ assert calls and max(calls) <= 8, calls
 assert prompt_rows and set(prompt_rows) == {len(prompt)}, prompt_rows  # the prompt's FP8 linears: the GEMM  # the residual add + input norm of every layer after the first
 assert all(m.experts.paired for m in model.modules() if isinstance(m, moe.MoE))
 assert any(packed_x), packed_x  # decode steps' MoE layers got their input packed by the norm before
+assert any(in_stages) and not all(in_stages), in_stages  # decode steps: shared experts in the stages and beside
 print("ok", rel)
 """
 

@@ -243,6 +243,41 @@ def test_mxfp4_moe_vectorized_stages_gpu(T, vec2):
 
 
 @gpu
+@pytest.mark.parametrize("vec", [False, True])
+def test_mxfp4_moe_shared_expert_in_the_stages_gpu(vec):
+    """The Ling shape (I = 768 for routed and shared experts alike), the engine's one-token config (and
+    the 16-byte-load stages): the shared expert inside the stages, both projections or only its down,
+    against the routed kernel plus the shared MLP's own GEMVs added in stage 2."""
+    from dataclasses import replace
+
+    from sparkchat.engine.kernels.fp8_gemv import fp8_block_gemv, fp8_block_gemv_swiglu
+    from sparkchat.engine.kernels.mxfp4_layout import permute_words_
+    from sparkchat.engine.kernels.mxfp4_moe import SharedExpert, _VEC1, moe_config, mxfp4_moe, pack_moe_x
+    gen = torch.Generator().manual_seed(13)
+    w13, s13, w2, s2 = make_experts(40, 2560, 768, "cuda", gen)
+    a13, a2 = permute_words_(w13.clone()), permute_words_(w2.clone())
+    gu_w, gu_s = make_fp8(1536, 2560, "cuda", gen)
+    dn_w, dn_s = make_fp8(2560, 768, "cuda", gen)
+    sh = SharedExpert(gu_w, gu_s, 768, dn_w, dn_s, 7.0)
+    cfg = moe_config(1, 2560, 768)
+    if vec:
+        cfg = replace(cfg, vec1=True, vec2=True, **_VEC1[(1, 2560, 768)])
+    for _ in range(3):
+        ids, wts = make_routing(1, 8, 40, 0, gen)
+        ids, wts = ids.cuda(), wts.cuda()
+        x = torch.randn(1, 2560, generator=gen).bfloat16().cuda()
+        gu = fp8_block_gemv(x, gu_w, gu_s)
+        y_sh = fp8_block_gemv_swiglu(gu, 768, 7.0, dn_w, dn_s)
+        added = mxfp4_moe(x, ids, wts, a13, s13, a2, s2, 4.0, config=cfg, paired=True, x_packed=pack_moe_x(x), add=y_sh)
+        both = mxfp4_moe(x, ids, wts, a13, s13, a2, s2, 4.0, config=cfg, paired=True, x_packed=pack_moe_x(x), shared=sh)
+        down = mxfp4_moe(x, ids, wts, a13, s13, a2, s2, 4.0, config=cfg, paired=True, x_packed=pack_moe_x(x),
+                         shared=sh, shared_gate_up=gu, join=lambda: None)
+        want = ref.mxfp4_moe_reference(x, ids, wts, w13, s13, w2, s2, 4.0).float() + y_sh.float()
+        assert rel_err(both, want) < 1e-2 and rel_err(down, want) < 1e-2
+        assert rel_err(both, added) < 2e-3 and rel_err(down, added) < 2e-3
+
+
+@gpu
 def test_mxfp4_moe_int64_ids_and_defaults():
     from sparkchat.engine.kernels.mxfp4_moe import mxfp4_moe
     gen = torch.Generator().manual_seed(3)
@@ -562,6 +597,53 @@ def test_moe_input_planes_and_vectorized_stages_under_triton_interpreter():
     """Packed activations in planes (the MoE input, pack_moe_x, and stage 1's act for stage 2) match the
     twin, and the stages in 16-byte loads (MoeConfig.vec1 / vec2) give the packed k loops' result."""
     _run_interpreted(_MOE_X_SCRIPT)
+
+
+_SHARED_SCRIPT = textwrap.dedent("""
+    import dataclasses
+    import torch
+    from sparkchat.engine.kernels import reference as ref
+    from sparkchat.engine.kernels.mxfp4_moe import MoeConfig, SharedExpert, mxfp4_moe, pack_moe_x, shared_fusable
+    from sparkchat.engine.nn.moe import swiglu
+    from tests.test_kernels import make_experts, make_fp8, make_routing, rel_err
+    gen = torch.Generator().manual_seed(0)
+    H, I, E, K = 64, 32, 6, 4
+    w13, s13, w2, s2 = make_experts(E, H, I, gen=gen)
+    gu_w, gu_s = make_fp8(256, H, gen=gen)  # gate rows 0..31, up rows 128..159: FusedLinear's padding
+    dn_w, dn_s = make_fp8(H, I, gen=gen)
+    sh = SharedExpert(gu_w, gu_s, 128, dn_w, dn_s, 0.5)
+    ids, wts = make_routing(1, K, E, 0, gen)
+    x = torch.randn(1, H, generator=gen).bfloat16()
+    gu = ref.fp8_block_gemv_reference(x, gu_w, gu_s)  # the shared MLP's kernels' roundings
+    y_sh = ref.fp8_block_gemv_reference(swiglu(gu[:, :I].float(), gu[:, 128:128 + I].float(), 0.5).bfloat16(),
+                                        dn_w, dn_s)
+    want = ref.mxfp4_moe_reference(x, ids, wts, w13, s13, w2, s2, 0.02) + y_sh
+    base = MoeConfig(bn1=8, rs1=1, bkw1=4, bn2=16, rs2=2, bkw2=4, dedupe=False, packed=True, packed_act=True)
+    xp = pack_moe_x(x)
+    for cfg in (base, dataclasses.replace(base, preload1=True, preload2=True),
+                dataclasses.replace(base, vec1=True, vec2=True)):
+        assert shared_fusable(sh, 1, H, I, cfg) and not shared_fusable(sh, 2, H, I, cfg)
+        added = mxfp4_moe(x, ids, wts, w13, s13, w2, s2, 0.02, config=cfg, add=y_sh, x_packed=xp)
+        both = mxfp4_moe(x, ids, wts, w13, s13, w2, s2, 0.02, config=cfg, shared=sh, x_packed=xp)
+        joined = []
+        down = mxfp4_moe(x, ids, wts, w13, s13, w2, s2, 0.02, config=cfg, shared=sh, x_packed=xp,
+                         shared_gate_up=gu, join=lambda: joined.append(1))
+        assert rel_err(both, want) < 1e-2 and joined == [1], cfg
+        # the shared expert's sums come out as the side stream's do, to the bf16 bit, at this size
+        assert torch.equal(both, added) and torch.equal(down, added), cfg
+    moved = dataclasses.replace(sh, up=0)  # the gate rows read as up rows: the up offset is used
+    assert not torch.equal(mxfp4_moe(x, ids, wts, w13, s13, w2, s2, 0.02, config=base, shared=moved), both)
+    assert not shared_fusable(dataclasses.replace(sh, down=dn_w[:, :16].contiguous()), 1, H, I, base)
+    print("interpreter ok")
+""")
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+def test_shared_expert_inside_the_routed_stages_under_triton_interpreter():
+    """mxfp4_moe's `shared`: the shared expert's FP8 gate|up and down run by extra programs of the two
+    stages (or only its down, from a side-stream gate|up) give the twin's result, and the very output of
+    the routed experts plus the shared MLP's kernels' output added in stage 2 (`add`)."""
+    _run_interpreted(_SHARED_SCRIPT)
 
 
 _MMA_SCRIPT = textwrap.dedent("""

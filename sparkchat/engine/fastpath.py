@@ -41,17 +41,51 @@ def kernels_unavailable_reason(device: torch.device, dtype: torch.dtype) -> str 
 
 
 class ExpertsKernel:
-    """Experts.forward's signature, through the MXFP4 MoE kernel for decode/verify windows."""
+    """Experts.forward's signature, through the MXFP4 MoE kernel for decode/verify windows.
+
+    `shared` (the layer's shared expert, FP8) with `shared_mode` 1 or 2: for one token the routed
+    stages run it too (mxfp4_moe's `shared`), its down projection (1) or both its projections (2);
+    see shared_in_stages_mode."""
 
     MAX_TOKENS = 8
 
-    def __init__(self, experts: Experts) -> None:
+    def __init__(self, experts: Experts, shared: MLP | None = None, shared_mode: int = 0) -> None:
         self.experts = experts
+        self.shared_mlp = shared if shared_mode else None
+        self.shared_mode = shared_mode
+        self._shared = None
+
+    def fuses_shared(self, x: torch.Tensor) -> int:
+        """0, or how the stages take the shared expert for this input: 1 its down rows (the gate|up GEMV
+        still runs on a side stream, its output passed as `shared_gate_up`), 2 both."""
+        if self.shared_mlp is None or x.shape[0] != 1 or (not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"):
+            return 0
+        from sparkchat.engine.kernels.mxfp4_moe import shared_fusable
+
+        spec = self._shared_expert()
+        ex = self.experts
+        return self.shared_mode if spec is not None and shared_fusable(spec, 1, ex.hidden, ex.inter) else 0
+
+    def _shared_expert(self):
+        """The shared MLP's tensors as mxfp4_moe.SharedExpert (None when it is not in the FP8 form)."""
+        from sparkchat.engine.kernels.mxfp4_moe import SharedExpert
+
+        mlp = self.shared_mlp
+        fused, down = mlp.fused, mlp.down_proj
+        if fused is None or not (fused.is_fp8 and down.is_fp8) or fused.block != (128, 128) or down.block != (128, 128):
+            return None
+        if self._shared is None or self._shared.gate_up is not fused.weight or self._shared.down is not down.weight:
+            self._shared = SharedExpert(fused.weight, fused.weight_scale_inv, fused.offsets[1], down.weight,
+                                        down.weight_scale_inv, mlp.limit)
+        return self._shared
 
     def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                 add: torch.Tensor | None = None, join: Callable[[], None] | None = None) -> torch.Tensor:
+                 add: torch.Tensor | None = None, join: Callable[[], None] | None = None,
+                 shared_gate_up: torch.Tensor | None = None, shared: bool = False) -> torch.Tensor:
         """The routed experts' output, plus `add` (the shared expert's) when given: the kernel adds it
-        in its final sum, saving a launch. `join`: call before reading `add` (made on a side stream)."""
+        in its final sum, saving a launch. `join`: call before reading `add` or `shared_gate_up` (made
+        on a side stream). `shared` (where fuses_shared says so): the stages compute the shared expert
+        and add it, from `shared_gate_up` (its gate|up output) when given."""
         if x.shape[0] > self.MAX_TOKENS:  # prefill: the grouped MXFP4 GEMM (kernels/moe_prefill.py)
             if join is not None:
                 join()
@@ -69,12 +103,22 @@ class ExpertsKernel:
         ex = self.experts
         return mxfp4_moe(x.contiguous(), ids.contiguous(), weights.float().contiguous(), ex.w13, ex.w13_scale,
                          ex.w2, ex.w2_scale, ex.limit, add=add, join=join, paired=ex.paired,
-                         x_packed=getattr(x, "moe_x", None))  # written by the norm before (install)
+                         x_packed=getattr(x, "moe_x", None),  # written by the norm before (install)
+                         shared=self._shared_expert() if shared else None, shared_gate_up=shared_gate_up)
 
 
 def side_stream_enabled() -> bool:
     """The shared expert runs on a side stream alongside the routing unless SPARKCHAT_SIDE_STREAM=0."""
     return os.environ.get("SPARKCHAT_SIDE_STREAM", "1") != "0"
+
+
+def shared_in_stages_mode() -> int:
+    """How a one-token MoE layer runs its shared expert, from SPARKCHAT_MOE_SHARED: 0 (the default) as two
+    GEMVs on a side stream, joined before the routed experts' stage 2; 1 its gate|up GEMV on the side
+    stream, its down rows inside stage 2; 2 both inside the routed stages (no side stream). Opt-in until
+    timed on a GPU."""
+    value = os.environ.get("SPARKCHAT_MOE_SHARED", "0")
+    return int(value) if value in ("0", "1", "2") else 0
 
 
 def paired_words_enabled() -> bool:
@@ -213,7 +257,8 @@ def install(model, *, linears: bool, experts: bool, head: bool) -> None:
         if isinstance(m, KimiDeltaAttention):
             m.fast_core = kda_core if m.A_log.is_cuda else None
         if isinstance(m, MoE):
-            m.fast_experts = ExpertsKernel(m.experts) if experts and m.experts.is_mxfp4 else None
+            m.fast_experts = (ExpertsKernel(m.experts, m.shared_experts, shared_in_stages_mode())
+                              if experts and m.experts.is_mxfp4 else None)
             if m.fast_experts is not None and m.experts.w13.is_cuda:
                 m.experts.use_paired_words(paired_words_enabled())  # the reference path unpairs what it reads
             overlap = m.fast_experts is not None and m.experts.w13.is_cuda and side_stream_enabled()

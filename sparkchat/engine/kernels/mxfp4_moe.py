@@ -877,6 +877,9 @@ _VEC1: dict[tuple[int, int, int], dict] = {
 }
 
 
+_SHARED_STAGE1_MAXNREG = 80  # stage 1's register cap when it runs the shared expert's gate|up too
+
+
 def moe_config(T: int, H: int, I: int) -> MoeConfig:
     """Tuned config for this shape, else a default. Several tokens default to per-slot programs: on
     the H200 DEDUPE's shared decode did not pay for its per-token arithmetic and registers (repeated
@@ -1165,6 +1168,9 @@ def _plan(T: int, K: int, H: int, inter: int, cfg: MoeConfig, paired: bool = Fal
         extra1, extra2 = split
         if shared_stage1:
             meta1.update(SHARED=extra1, SH_UP=shared_up, SH_BK=_fit(512, H))
+            # the shared branch alone would take 118 registers (sm_90) where the routed one takes 78: capped,
+            # the routed programs keep 3 of 8 warps an SM (the shared branch spills a little instead)
+            meta1.setdefault("maxnreg", _SHARED_STAGE1_MAXNREG)
         else:
             extra1 = 0
             assert shared_up > 0, "the up rows follow the gate rows"

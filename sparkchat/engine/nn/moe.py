@@ -157,6 +157,15 @@ class MoE(nn.Module):
         self.side_stream = None  # set by the GPU path: the shared expert runs there, alongside the routing
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fuses = getattr(self.fast_experts, "fuses_shared", None)
+        mode = fuses(x) if fuses is not None and self.shared_experts is not None else 0
+        if mode == 2:  # both of the shared expert's projections inside the routed experts' launches
+            ids, weights = self.gate(x)
+            return self.fast_experts(x, ids, weights, shared=True)
+        if mode == 1 and self.side_stream is not None:  # its gate|up beside the routing, its down in stage 2
+            gate_up, join = fork(self.side_stream, self.shared_experts.fused, x)
+            ids, weights = self.gate(x)
+            return self.fast_experts(x, ids, weights, shared=True, shared_gate_up=gate_up, join=join)
         if self.fast_experts is not None and self.shared_experts is not None and self.side_stream is not None:
             shared, join = fork(self.side_stream, self.shared_experts, x)  # overlaps the routing
             ids, weights = self.gate(x)
