@@ -455,6 +455,7 @@ def mxfp4_moe_stage1_kernel(
     s = tl.program_id(0)  # slot t*K + k
     nb = tl.program_id(1)  # block of RS*BN gate rows (and the matching up rows)
     if SHARED > 0:  # (nested: a kernel without SHARED compiles no branch at all)
+        s, nb = _shared_programs_first(T * K, SHARED)
         if s >= T * K:
             BSH: tl.constexpr = RS * BN // SHARED
             _shared_gate_up(xs_ptr, shw_ptr, shs_ptr, sha_ptr, sh_limit, nb * (RS * BN) + (s - T * K) * BSH, H,
@@ -659,6 +660,20 @@ def _fp8_rows_dot(ws, ss, x_ptr, K: tl.constexpr, BS: tl.constexpr, BK: tl.const
 
 
 @triton.jit
+def _shared_programs_first(S: tl.constexpr, SHARED: tl.constexpr):
+    """Stage 1's (slot, block) for a grid of (S + SHARED, blocks) programs, renumbered so that the shared
+    expert's programs (slots S .. S + SHARED - 1) come first in launch order. With them the grid is
+    larger than what fits the GPU at once (480 programs of 8 warps at Ling's shape, 396 resident on an
+    H200); first, they are resident while the router runs — their weights stream then — and they end
+    soon after the wait, making room for the routed programs that did not fit."""
+    pid = tl.program_id(0) + tl.program_id(1) * (S + SHARED)
+    n_shared = SHARED * tl.num_programs(1)
+    q = pid - n_shared
+    first = pid < n_shared
+    return tl.where(first, S + pid % SHARED, q % S), tl.where(first, pid // SHARED, q // S)
+
+
+@triton.jit
 def _shared_gate_up(x_ptr, w_ptr, s_ptr, act_ptr, limit, r0, H: tl.constexpr, UP: tl.constexpr,
                     BS: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr, FENCE: tl.constexpr):
     """Stage 1's shared-expert programs (MoE with `shared`): one token's gate rows [r0, r0 + BS) of the
@@ -725,6 +740,7 @@ def mxfp4_moe_stage1_vec_kernel(
     s = tl.program_id(0)  # slot t*K + k: token s // K
     nb = tl.program_id(1)
     if SHARED > 0:
+        s, nb = _shared_programs_first(K, SHARED)
         if s >= K:  # one token
             BSH: tl.constexpr = BN // SHARED
             _shared_gate_up(xs_ptr, shw_ptr, shs_ptr, sha_ptr, sh_limit, nb * BN + (s - K) * BSH, H, SH_UP, BSH,
