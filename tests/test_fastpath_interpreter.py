@@ -50,11 +50,12 @@ from sparkchat.engine.nn.kda import KimiDeltaAttention
 from sparkchat.engine.nn.mla import MultiLatentAttention
 from sparkchat.engine.kernels.fp8_gemv import add_rms_norm, fp8_block_gemv_add_norm, fp8_block_gemv_swiglu
 from sparkchat.engine.nn.norm import RMSNorm
-calls, packed_x, in_stages = [], [], []
+calls, packed_x, in_stages, normed = [], [], [], []
 class CountingExperts(fastpath.ExpertsKernel):
     def __call__(self, x, *args, **kw):
         packed_x.append(hasattr(x, "moe_x"))
         in_stages.append(kw.get("shared", False))
+        normed.append(kw.get("norm") is not None)
         return super().__call__(x, *args, **kw)
 def counted_add_norm(*args):
     calls.append(args[0].shape[0])
@@ -70,12 +71,18 @@ for m in model.modules():
         # every other MoE layer runs its shared expert inside the routed stages (SPARKCHAT_MOE_SHARED=2)
         moe_layers = getattr(model, "_moe_seen", 0)
         model._moe_seen = moe_layers + 1
-        m.fast_experts = CountingExperts(m.experts, m.shared_experts, 2 if moe_layers % 2 else 0)
+        # and all but every third one adds its output and runs the next norm in stage 2 (SPARKCHAT_MOE_ADD_NORM=1)
+        m.fast_experts = CountingExperts(m.experts, m.shared_experts, 2 if moe_layers % 2 else 0,
+                                         add_norm=moe_layers % 3 != 1)
         m.experts.use_paired_words()  # as install() does on a GPU: the kernels read the paired word order
     elif isinstance(m, KimiDeltaAttention):
         m.fast_core = kda_decode
     elif isinstance(m, MultiLatentAttention):
         m.fast_step = mla_decode_step
+for i, layer in enumerate(model.layers):  # as install() does with SPARKCHAT_MOE_ADD_NORM=1
+    nxt = model.layers[i + 1].input_layernorm if i + 1 < len(model.layers) else model.norm
+    fe = getattr(layer.mlp, "fast_experts", None)
+    layer.next_norm = nxt if fe is not None and fe.add_norm else None
 import functools
 for layer in model.layers:  # as install() does with SPARKCHAT_MOE_X_PACKED=1
     if isinstance(layer.mlp, moe.MoE):
@@ -100,6 +107,7 @@ assert prompt_rows and set(prompt_rows) == {len(prompt)}, prompt_rows  # the pro
 assert all(m.experts.paired for m in model.modules() if isinstance(m, moe.MoE))
 assert any(packed_x), packed_x  # decode steps' MoE layers got their input packed by the norm before
 assert any(in_stages) and not all(in_stages), in_stages  # decode steps: shared experts in the stages and beside
+assert any(normed) and not all(normed), normed  # decode steps: the next norm in stage 2 and in its own kernel
 print("ok", rel)
 """
 

@@ -278,6 +278,31 @@ def test_mxfp4_moe_shared_expert_in_the_stages_gpu(vec):
 
 
 @gpu
+@pytest.mark.parametrize("T", [1, 4])
+def test_mxfp4_moe_add_norm_gpu(T):
+    """The Ling shape with the engine's configs: the MoE with the next layer's add+norm in stage 2 against
+    the MoE and then the add+norm kernel."""
+    from sparkchat.engine.kernels.fp8_gemv import add_rms_norm
+    from sparkchat.engine.kernels.mxfp4_layout import permute_words_
+    from sparkchat.engine.kernels.mxfp4_moe import mxfp4_moe, mxfp4_moe_add_norm, pack_moe_x
+    gen = torch.Generator().manual_seed(17)
+    w13, s13, w2, s2 = make_experts(40, 2560, 768, "cuda", gen)
+    a13, a2 = permute_words_(w13.clone()), permute_words_(w2.clone())
+    nw = (torch.rand(2560, generator=gen) + 0.5).bfloat16().cuda()
+    for _ in range(3):
+        ids, wts = make_routing(T, 8, 40, 2, gen)
+        ids, wts = ids.cuda(), wts.cuda()
+        x = torch.randn(T, 2560, generator=gen).bfloat16().cuda()
+        res = (torch.randn(T, 2560, generator=gen) * 3).bfloat16().cuda()
+        y = mxfp4_moe(x, ids, wts, a13, s13, a2, s2, 4.0, paired=True, x_packed=pack_moe_x(x))
+        s_ref, h_ref = add_rms_norm(res, y, nw, 1e-6)
+        s_got, h_got = mxfp4_moe_add_norm(x, ids, wts, a13, s13, a2, s2, 4.0, res, nw, 1e-6, paired=True,
+                                          x_packed=pack_moe_x(x))
+        assert torch.equal(s_got, s_ref)
+        assert (h_got == h_ref).float().mean().item() > 0.95 and rel_err(h_got, h_ref) < 1e-2
+
+
+@gpu
 def test_mxfp4_moe_int64_ids_and_defaults():
     from sparkchat.engine.kernels.mxfp4_moe import mxfp4_moe
     gen = torch.Generator().manual_seed(3)
@@ -644,6 +669,53 @@ def test_shared_expert_inside_the_routed_stages_under_triton_interpreter():
     stages (or only its down, from a side-stream gate|up) give the twin's result, and the very output of
     the routed experts plus the shared MLP's kernels' output added in stage 2 (`add`)."""
     _run_interpreted(_SHARED_SCRIPT)
+
+
+_MOE_NORM_SCRIPT = textwrap.dedent("""
+    import dataclasses
+    import torch
+    from sparkchat.engine.kernels.fp8_gemv import add_rms_norm
+    from sparkchat.engine.kernels.mxfp4_moe import MoeConfig, SharedExpert, mxfp4_moe, mxfp4_moe_add_norm
+    from tests.test_kernels import make_experts, make_fp8, make_routing
+    gen = torch.Generator().manual_seed(0)
+    H, I, E, K = 128, 32, 6, 4  # H: one whole 128-column block, for the fp16 form
+    w13, s13, w2, s2 = make_experts(E, H, I, gen=gen)
+    nw = (torch.rand(H, generator=gen) + 0.5).bfloat16()
+    base = MoeConfig(bn1=8, rs1=1, bkw1=4, bn2=16, rs2=2, bkw2=4, dedupe=False, packed=True, packed_act=True)
+    for T in (1, 2):
+        ids, wts = make_routing(T, K, E, 1, gen)
+        x = torch.randn(T, H, generator=gen).bfloat16()
+        res = (torch.randn(T, H, generator=gen) * 2).bfloat16()
+        for cfg in (base, dataclasses.replace(base, vec1=True, vec2=True))[:3 - T]:  # (the interpreter is slow)
+            y = mxfp4_moe(x, ids, wts, w13, s13, w2, s2, 0.02, config=cfg)
+            s_ref, h_ref = add_rms_norm(res, y, nw, 1e-6)  # the add+norm kernel it replaces
+            s_got, h_got = mxfp4_moe_add_norm(x, ids, wts, w13, s13, w2, s2, 0.02, res, nw, 1e-6, config=cfg)
+            assert torch.equal(s_got, s_ref), (T, cfg)  # the same sum
+            # only the order the squares are summed in differs
+            assert (h_got == h_ref).float().mean() > 0.95 and (h_got.float() - h_ref.float()).abs().max() < 0.05
+            assert hasattr(h_got, "f16_acts") == hasattr(h_ref, "f16_acts") == (T > 1)
+            if T > 1:  # the tensor-core GEMVs' fp16 form, as the add+norm kernel writes it
+                assert (h_got.f16_acts[0] == h_ref.f16_acts[0]).float().mean() > 0.95
+    wrong = mxfp4_moe_add_norm(x, ids, wts, w13, s13, w2, s2, 0.02, res, nw * 2, 1e-6, config=base)[1]
+    assert not torch.equal(wrong, h_got)  # the norm weight is applied
+    # with the shared expert inside the stages too (one token)
+    gu_w, gu_s = make_fp8(256, H, gen=gen)
+    dn_w, dn_s = make_fp8(H, I, gen=gen)
+    sh = SharedExpert(gu_w, gu_s, 128, dn_w, dn_s, 0.5)
+    y = mxfp4_moe(x[:1], ids[:1], wts[:1], w13, s13, w2, s2, 0.02, config=base, shared=sh)
+    s_got, _ = mxfp4_moe_add_norm(x[:1], ids[:1], wts[:1], w13, s13, w2, s2, 0.02, res[:1], nw, 1e-6, config=base,
+                                  shared=sh)
+    assert torch.equal(s_got, add_rms_norm(res[:1], y, nw, 1e-6)[0])
+    print("interpreter ok")
+""")
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+def test_moe_with_the_next_norm_in_stage_2_under_triton_interpreter():
+    """mxfp4_moe_add_norm: stage 2's last programs add the layer's output to the residual and run the next
+    RMSNorm, giving what the add+norm kernel after the layer gives (the same sum; the norm but for the
+    order its squares are summed in; the fp16 form for verify windows)."""
+    _run_interpreted(_MOE_NORM_SCRIPT)
 
 
 _MMA_SCRIPT = textwrap.dedent("""

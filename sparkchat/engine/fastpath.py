@@ -49,11 +49,19 @@ class ExpertsKernel:
 
     MAX_TOKENS = 8
 
-    def __init__(self, experts: Experts, shared: MLP | None = None, shared_mode: int = 0) -> None:
+    def __init__(self, experts: Experts, shared: MLP | None = None, shared_mode: int = 0,
+                 add_norm: bool = False) -> None:
         self.experts = experts
         self.shared_mlp = shared if shared_mode else None
         self.shared_mode = shared_mode
+        self.add_norm = add_norm
         self._shared = None
+
+    def fuses_norm(self, x: torch.Tensor) -> bool:
+        """True when this call's last launch can also do the residual add and the RMSNorm after the layer
+        (`norm`; SPARKCHAT_MOE_ADD_NORM=1): a decode or verify window, on the GPU (or the interpreter)."""
+        return (self.add_norm and x.shape[0] <= self.MAX_TOKENS and x.dtype == torch.bfloat16
+                and (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"))
 
     def fuses_shared(self, x: torch.Tensor) -> int:
         """0, or how the stages take the shared expert for this input: 1 its down rows (the gate|up GEMV
@@ -81,11 +89,13 @@ class ExpertsKernel:
 
     def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                  add: torch.Tensor | None = None, join: Callable[[], None] | None = None,
-                 shared_gate_up: torch.Tensor | None = None, shared: bool = False) -> torch.Tensor:
+                 shared_gate_up: torch.Tensor | None = None, shared: bool = False,
+                 norm: tuple[torch.Tensor, torch.Tensor, float] | None = None):
         """The routed experts' output, plus `add` (the shared expert's) when given: the kernel adds it
         in its final sum, saving a launch. `join`: call before reading `add` or `shared_gate_up` (made
         on a side stream). `shared` (where fuses_shared says so): the stages compute the shared expert
-        and add it, from `shared_gate_up` (its gate|up output) when given."""
+        and add it, from `shared_gate_up` (its gate|up output) when given. `norm` (residual, norm
+        weight, eps; where fuses_norm says so): returns (residual + output, RMSNorm of it) instead."""
         if x.shape[0] > self.MAX_TOKENS:  # prefill: the grouped MXFP4 GEMM (kernels/moe_prefill.py)
             if join is not None:
                 join()
@@ -98,13 +108,18 @@ class ExpertsKernel:
                                    add=None if add is None else add.contiguous(), paired=ex.paired)
             out = ex(x, ids, weights)  # the reference path
             return out if add is None else out + add
-        from sparkchat.engine.kernels.mxfp4_moe import mxfp4_moe
+        from sparkchat.engine.kernels.mxfp4_moe import mxfp4_moe, mxfp4_moe_add_norm
 
         ex = self.experts
-        return mxfp4_moe(x.contiguous(), ids.contiguous(), weights.float().contiguous(), ex.w13, ex.w13_scale,
-                         ex.w2, ex.w2_scale, ex.limit, add=add, join=join, paired=ex.paired,
-                         x_packed=getattr(x, "moe_x", None),  # written by the norm before (install)
-                         shared=self._shared_expert() if shared else None, shared_gate_up=shared_gate_up)
+        args = (x.contiguous(), ids.contiguous(), weights.float().contiguous(), ex.w13, ex.w13_scale, ex.w2,
+                ex.w2_scale, ex.limit)
+        kwargs = dict(add=add, join=join, paired=ex.paired,
+                      x_packed=getattr(x, "moe_x", None),  # written by the norm before (install)
+                      shared=self._shared_expert() if shared else None, shared_gate_up=shared_gate_up)
+        if norm is not None:
+            residual, weight, eps = norm
+            return mxfp4_moe_add_norm(*args, residual.contiguous(), weight, eps, **kwargs)
+        return mxfp4_moe(*args, **kwargs)
 
 
 def side_stream_enabled() -> bool:
@@ -119,6 +134,13 @@ def shared_in_stages_mode() -> int:
     timed on a GPU."""
     value = os.environ.get("SPARKCHAT_MOE_SHARED", "0")
     return int(value) if value in ("0", "1", "2") else 0
+
+
+def moe_add_norm_enabled() -> bool:
+    """A MoE layer's stage 2 also does the residual add and the next RMSNorm (the next layer's input norm,
+    or the final norm) when SPARKCHAT_MOE_ADD_NORM=1, saving that add+norm's launch. Opt-in until timed
+    on a GPU."""
+    return os.environ.get("SPARKCHAT_MOE_ADD_NORM", "0") == "1"
 
 
 def paired_words_enabled() -> bool:
@@ -257,7 +279,7 @@ def install(model, *, linears: bool, experts: bool, head: bool) -> None:
         if isinstance(m, KimiDeltaAttention):
             m.fast_core = kda_core if m.A_log.is_cuda else None
         if isinstance(m, MoE):
-            m.fast_experts = (ExpertsKernel(m.experts, m.shared_experts, shared_in_stages_mode())
+            m.fast_experts = (ExpertsKernel(m.experts, m.shared_experts, shared_in_stages_mode(), moe_add_norm_enabled())
                               if experts and m.experts.is_mxfp4 else None)
             if m.fast_experts is not None and m.experts.w13.is_cuda:
                 m.experts.use_paired_words(paired_words_enabled())  # the reference path unpairs what it reads
@@ -273,5 +295,14 @@ def install(model, *, linears: bool, experts: bool, head: bool) -> None:
             out = layer.attention.out_proj
             if isinstance(layer.mlp, MoE) and layer.mlp.fast_experts is not None and out.fast_add_norm is not None:
                 out.fast_add_norm = functools.partial(add_norm, moe_x=True)
+    # a MoE layer hands the next layer its input already added and normed (the next norm passed to it)
+    layers = list(getattr(model, "layers", ()))
+    for i, layer in enumerate(layers):
+        nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else getattr(model, "norm", None)
+        takes = isinstance(layer.mlp, MoE) and layer.mlp.fast_experts is not None and layer.mlp.fast_experts.add_norm
+        layer.next_norm = nxt if takes else None
+    mtp = getattr(model, "mtp", None)
+    if mtp is not None:
+        mtp.fuse_final_norm = mtp.mlp.fast_experts is not None and mtp.mlp.fast_experts.add_norm
     model.lm_head.fast_fp8 = _fp8_head() if head else None
     model.lm_head.fast_fp8_argmax = _fp8_head_argmax() if head else None

@@ -14,7 +14,7 @@ from sparkchat.engine.nn.kda import KDASteps, KimiDeltaAttention
 from sparkchat.engine.nn.linear import FusedLinear, Linear, project_add_norm
 from sparkchat.engine.nn.mla import MLACache, MultiLatentAttention, Span
 from sparkchat.engine.nn.moe import MLP, MoE
-from sparkchat.engine.nn.norm import RMSNorm
+from sparkchat.engine.nn.norm import NormedInput, RMSNorm
 from sparkchat.engine.nn.ops import ops
 from sparkchat.engine.nn.rope import RotaryEmbedding
 from sparkchat.engine.state import ConversationState
@@ -51,11 +51,16 @@ class DecoderLayer(nn.Module):
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
         else:
             self.mlp = _moe(cfg, cfg.expert_swiglu_limit_list[idx], cfg.share_expert_swiglu_limit_list[idx])
+        # the norm after this layer (the next one's input norm, or the final norm), when this layer's MoE
+        # runs the residual add and that norm in its last launch (set by fastpath.install)
+        self.next_norm: RMSNorm | None = None
 
-    def forward(self, x: torch.Tensor, pending: torch.Tensor | None, span: Span, state: ConversationState,
-                rotary: RotaryEmbedding, keep_steps: bool) -> tuple[torch.Tensor, torch.Tensor, KDASteps | None]:
+    def forward(self, x: torch.Tensor, pending: torch.Tensor | NormedInput | None, span: Span,
+                state: ConversationState, rotary: RotaryEmbedding,
+                keep_steps: bool) -> tuple[torch.Tensor, torch.Tensor | NormedInput, KDASteps | None]:
         """x: the residual stream; pending: the previous layer's MLP output, not yet added (the add
-        fuses with this layer's input norm). Returns (residual, this layer's MLP output, KDA steps)."""
+        fuses with this layer's input norm), or that add and norm already done (NormedInput). Returns
+        (residual, this layer's MLP output or NormedInput, KDA steps)."""
         norm_in = self.input_layernorm
         if pending is None:
             h = norm_in(x)
@@ -70,6 +75,9 @@ class DecoderLayer(nn.Module):
                                       project_out=False)
         post = self.post_attention_layernorm
         x, h = project_add_norm(self.attention.out_proj, o, x, post.weight, post.eps)
+        if self.next_norm is not None:  # the MoE's last launch adds its output and runs the next norm
+            x, h_next = self.mlp(h, add_norm=(x, self.next_norm))
+            return x, NormedInput(h_next, self.next_norm), steps
         return x, self.mlp(h), steps
 
 
@@ -89,6 +97,7 @@ class MTPLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(H, cfg.rms_norm_eps)
         self.mlp = _moe(cfg, 0.0, 0.0)  # the limit lists cover the main layers only
         self.final_layernorm = RMSNorm(H, cfg.rms_norm_eps)
+        self.fuse_final_norm = False  # set by fastpath.install (SPARKCHAT_MOE_ADD_NORM)
         assert self.enorm.eps == self.hnorm.eps  # ops.mtp_input takes one eps for both
 
     def forward(self, token_embeds: torch.Tensor, hidden: torch.Tensor, span: Span, cache: MLACache,
@@ -99,6 +108,8 @@ class MTPLayer(nn.Module):
         # on the GPU path the output projection's GEMV and the final add+norm are PDL kernels
         post = self.post_attention_layernorm
         x, h = project_add_norm(self.attention.out_proj, o, x, post.weight, post.eps)
+        if self.fuse_final_norm:  # the MoE's last launch adds its output and runs the final norm
+            return self.mlp(h, add_norm=(x, self.final_layernorm))[1]
         return self.final_layernorm.add_norm(x, self.mlp(h))[1]
 
 

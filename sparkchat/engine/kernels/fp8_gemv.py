@@ -23,10 +23,9 @@ import triton
 import triton.language as tl
 
 from sparkchat.engine.kernels.counters import arrival_counters
-from sparkchat.engine.kernels.mxfp4_moe import _store_packed
+from sparkchat.engine.kernels.norm_rows import SCALE_BLOCK, _norm_rows
+from sparkchat.engine.kernels.packed_acts import _store_packed
 from sparkchat.engine.kernels.pdl import pdl_args, pdl_wait
-
-SCALE_BLOCK: tl.constexpr = tl.constexpr(128)
 
 
 @triton.jit
@@ -357,45 +356,6 @@ def _add_norm_tail(part_ptr, cnt_ptr, res_ptr, nw_ptr, s_out_ptr, h_ptr, ssq_ptr
             _norm_rows(s_out_ptr, ssq_ptr, nw_ptr, h_ptr, eps, h16_ptr, hd_ptr, hx_ptr, NSQ, T, N, F16, MOE_X,
                        INTERPRET)
             tl.store(cnt_ptr + NP, 0)
-
-
-@triton.jit
-def _norm_rows(s_ptr, ssq_ptr, nw_ptr, h_ptr, eps, h16_ptr, hd_ptr, hx_ptr, NSQ: tl.constexpr, T: tl.constexpr,
-               N: tl.constexpr, F16: tl.constexpr, MOE_X: tl.constexpr, INTERPRET: tl.constexpr):
-    """h = w * bf16(s * rsqrt(sum of the NSQ partial sums of squares / N + eps)) for each token, in
-    chunks of 512 columns whose loads are all issued before any is used."""
-    CH: tl.constexpr = 512
-    NC: tl.constexpr = (N + CH - 1) // CH
-    NB: tl.constexpr = CH // SCALE_BLOCK
-    i = tl.arange(0, CH)
-    QB: tl.constexpr = 512
-    q = tl.arange(0, QB)
-    for t in tl.static_range(T):
-        ssq = tl.zeros([QB], dtype=tl.float32)
-        for q0 in tl.static_range(0, NSQ, QB):
-            ssq += tl.load(ssq_ptr + t * NSQ + q0 + q, mask=q0 + q < NSQ, other=0.0, cache_modifier=".cg")
-        ss = ()
-        ws = ()
-        for c in tl.static_range(NC):
-            m = c * CH + i < N
-            ss = ss + (tl.load(s_ptr + t * N + c * CH + i, mask=m, other=0.0, cache_modifier=".cg"),)
-            ws = ws + (tl.load(nw_ptr + c * CH + i, mask=m, other=0.0),)
-        inv = tl.rsqrt(tl.sum(ssq, axis=0) / N + eps)
-        for c in tl.static_range(NC):
-            cols = c * CH + i
-            m = cols < N
-            h = (ws[c].to(tl.float32) * (ss[c].to(tl.float32) * inv).to(tl.bfloat16).to(tl.float32)).to(tl.bfloat16)
-            tl.store(h_ptr + t * N + cols, h, mask=m)
-            if F16:
-                hb = tl.reshape(h.to(tl.float32), [NB, SCALE_BLOCK])
-                e = tl.maximum((tl.max(tl.abs(hb), axis=1).to(tl.int32, bitcast=True) >> 23) & 0xFF, 16)
-                up = ((268 - e) << 23).to(tl.float32, bitcast=True)  # as splitk_add_norm_kernel's
-                tl.store(h16_ptr + t * N + cols, tl.reshape((hb * up[:, None]).to(tl.float16), [CH]), mask=m)
-                b = c * NB + tl.arange(0, NB)
-                tl.store(hd_ptr + t * ((N + SCALE_BLOCK - 1) // SCALE_BLOCK) + b,
-                         ((e - 14) << 23).to(tl.float32, bitcast=True), mask=b * SCALE_BLOCK < N)
-            if MOE_X:
-                _store_packed(hx_ptr + t * N, cols, h.to(tl.float32), m, N, INTERPRET)
 
 
 @triton.jit

@@ -45,12 +45,12 @@ import triton
 import triton.language as tl
 
 from sparkchat.engine.kernels.counters import arrival_counters
+from sparkchat.engine.kernels.norm_rows import _norm_rows
+from sparkchat.engine.kernels.packed_acts import _HI16, _X_SCALE, _bf16_round, _store_packed
 from sparkchat.engine.kernels.pdl import pdl_args, pdl_wait
 
 _MAG2 = tl.constexpr(0x01C001C0)  # e1 e0 m of two bf16 halves (bits 8:6 of each)
 _SIGN2 = tl.constexpr(-0x7FFF8000)  # 0x80008000 as int32: sign bit of each half
-_HI16 = tl.constexpr(-0x10000)  # 0xFFFF0000
-_X_SCALE = tl.constexpr(1.2676506002282294e30)  # 2^100, applied to activations
 _PAIR2 = tl.constexpr(-0x7E3F7E40)  # 0x81C081C0 as int32: sign and e1 e0 m of two bf16 halves
 
 
@@ -165,14 +165,6 @@ shl.b32 a, q, 16; and.b32 b, q, 0xFFFF0000; add.f32 $0, a, b;
 
 
 @triton.jit
-def _bf16_round(v):
-    """fp32 -> nearest bf16, kept in fp32 (the interpreter's own casts truncate)."""
-    b = v.to(tl.int32, bitcast=True)
-    b = (b + 0x7FFF + ((b >> 16) & 1)) & _HI16
-    return b.to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def _pack_x(base, word, INTERPRET: tl.constexpr, XPACKED: tl.constexpr = False, PLANE: tl.constexpr = 0):
     """The 8 activations of each word column `word` (at base + 8 * word) as 4 bf16x2 int32 [BKW]:
     x[i] * 2^100 in the low half, x[i + 4] * 2^100 in the high half. The interpreter gets the scaled
@@ -232,21 +224,6 @@ def _packed_step(accs, ws, ss, base, word, R: tl.constexpr, INTERPRET: tl.conste
     for r in tl.static_range(R):
         new = new + (accs[r] + _word_dot(ws[r], xp, INTERPRET, PAIRED) * _e8m0_scale(ss[r]),)
     return new
-
-
-@triton.jit
-def _store_packed(base, idx, v, mask, N: tl.constexpr, INTERPRET: tl.constexpr):
-    """Activations v (elements idx of N) as a packed stage multiplies them: v * 2^100 rounded to bf16, in
-    four planes — int32 word i * N/8 + w is the bf16x2 (v[8w + i], v[8w + i + 4]) that _pack_x would
-    build (read with PLANE = N/8), so that a warp loading component i of consecutive words reads
-    consecutive words. Half the bytes of fp32 and no conversions in the reading stage's k loop. Stage 1
-    writes its act so for stage 2, the add+norm kernel the MoE input so for stage 1 (pack_moe_x)."""
-    q = idx % 8
-    dest = 2 * ((q % 4) * (N // 8) + idx // 8) + q // 4
-    v = v * _X_SCALE
-    if INTERPRET:
-        v = _bf16_round(v)  # exact in bf16 now: the interpreter's truncating cast keeps it
-    tl.store(base + dest, v.to(tl.bfloat16), mask=mask)
 
 
 @triton.jit
@@ -526,13 +503,16 @@ def mxfp4_moe_stage2_kernel(
     PAIRED: tl.constexpr = False, ACT_PACKED: tl.constexpr = False, PRELOAD: tl.constexpr = False,
     shw_ptr=None, shs_ptr=None, sha_ptr=None, sh_limit=0.0, SHARED: tl.constexpr = 0, SH_BK: tl.constexpr = 0,
     SH_GU: tl.constexpr = 0,
+    res_ptr=None, nw_ptr=None, s_out_ptr=None, h_ptr=None, ssq_ptr=None, eps=0.0, h16_ptr=None, hd_ptr=None,
+    NORM: tl.constexpr = False, F16: tl.constexpr = False,
 ):
     """With PDL, the expert ids (written by the router, two or more kernels back) and the first step's
     weights are read before pdl_wait: the down weights start streaming during stage 1's tail.
     ACT_PACKED: act_ptr is int32, stage 1's packed act (_store_packed, planes of I/8 words).
     SHARED > 0 (one token): slots T*K .. T*K + SHARED - 1 run the shared expert's down rows
     (_shared_down, into part row T*K), which _sum_slots adds after the routed experts' sum; their act is
-    stage 1's (sha_ptr fp32), or with SH_GU > 0 the SwiGLU of a gate|up GEMV's bf16 output at sha_ptr."""
+    stage 1's (sha_ptr fp32), or with SH_GU > 0 the SwiGLU of a gate|up GEMV's bf16 output at sha_ptr.
+    NORM: the residual add and the next RMSNorm too (_sum_slots)."""
     nb = tl.program_id(0)  # block of RS*BN output rows
     s = tl.program_id(1)  # slot t*K + k
     rows = nb * (RS * BN) + tl.arange(0, BN)
@@ -547,7 +527,8 @@ def mxfp4_moe_stage2_kernel(
     else:
         _stage2_routed(act_ptr, ids_ptr, w2_ptr, s2_ptr, part_ptr, s, nb, rows, T, K, H, I, BN, RS, BKW, UNROLL, NT,
                        K_PAD, S_PAD, DEDUPE, PREFETCH, PACKED, INTERPRET, PDL, PAIRED, ACT_PACKED, PRELOAD)
-    _sum_slots(part_ptr, cnt_ptr, y_ptr, add_ptr, nb, rows, T, K, H, RS, BN, HAS_ADD, SHARED)
+    _sum_slots(part_ptr, cnt_ptr, y_ptr, add_ptr, nb, rows, T, K, H, RS, BN, HAS_ADD, SHARED,
+               (res_ptr, nw_ptr, s_out_ptr, h_ptr, ssq_ptr, eps, h16_ptr, hd_ptr), NORM, F16, INTERPRET)
 
 
 @triton.jit
@@ -589,11 +570,16 @@ def _stage2_routed(act_ptr, ids_ptr, w2_ptr, s2_ptr, part_ptr, s, nb, rows,
 
 @triton.jit
 def _sum_slots(part_ptr, cnt_ptr, y_ptr, add_ptr, nb, rows, T: tl.constexpr, K: tl.constexpr, H: tl.constexpr,
-               RS: tl.constexpr, BN: tl.constexpr, HAS_ADD: tl.constexpr, SHARED: tl.constexpr = 0):
+               RS: tl.constexpr, BN: tl.constexpr, HAS_ADD: tl.constexpr, SHARED: tl.constexpr = 0,
+               norm=(), NORM: tl.constexpr = False, F16: tl.constexpr = False, INTERPRET: tl.constexpr = False):
     """Stage 2's end: the last of the T*K (+ SHARED) programs of row block nb (RS tiles of BN rows from
     `rows`) sums the slots' partials in slot order into y bf16, plus the shared expert's output (HAS_ADD:
     add_ptr; SHARED: part row T*K, from the shared-expert programs), and resets the block's arrival
-    counter (this program's stores -> barrier -> release)."""
+    counter (this program's stores -> barrier -> release).
+    NORM: then the residual add and RMSNorm after the layer, as fp8_gemv's _add_norm_tail does them for
+    an output projection: s = bf16(residual + y) and each row tile's sum of squares, and the last row
+    block to finish (counter H / (RS*BN)) turns s into the norm's output for all H columns (and its F16
+    form). norm = (residual, norm weight, s out, h out, sums of squares [T, H/BN], eps, h16, hd)."""
     tl.debug_barrier()
     done = tl.atomic_add(cnt_ptr + nb, 1, sem="acq_rel", scope="gpu")
     if done == T * K + SHARED - 1:
@@ -610,7 +596,21 @@ def _sum_slots(part_ptr, cnt_ptr, y_ptr, add_ptr, nb, rows, T: tl.constexpr, K: 
                     sh = tl.load(part_ptr + T * K * H + rows + r * BN, cache_modifier=".cg")
                     y = (y.to(tl.float32) + sh).to(tl.bfloat16)
                 tl.store(y_ptr + t * H + rows + r * BN, y)
+                if NORM:  # as ops.add_rms_norm rounds: s = bf16(residual + y)
+                    sv = (tl.load(norm[0] + t * H + rows + r * BN).to(tl.float32) + y.to(tl.float32)).to(tl.bfloat16)
+                    tl.store(norm[2] + t * H + rows + r * BN, sv)
+                    sf = sv.to(tl.float32)
+                    tl.store(norm[4] + t * (H // BN) + nb * RS + r, tl.sum(sf * sf, axis=0))
         tl.store(cnt_ptr + nb, 0)  # ready for the next launch
+        if NORM:
+            NBLK: tl.constexpr = H // (RS * BN)
+            tl.debug_barrier()  # s and the sums of squares -> the release below
+            last = tl.atomic_add(cnt_ptr + NBLK, 1, sem="acq_rel", scope="gpu")
+            if last == NBLK - 1:
+                tl.debug_barrier()
+                _norm_rows(norm[2], norm[4], norm[1], norm[3], norm[5], norm[6], norm[7], None, H // BN, T, H, F16,
+                           False, INTERPRET)
+                tl.store(cnt_ptr + NBLK, 0)
 
 
 @triton.jit
@@ -803,6 +803,8 @@ def mxfp4_moe_stage2_vec_kernel(
     PAIRED: tl.constexpr = False, ACT_PACKED: tl.constexpr = False, FENCE: tl.constexpr = True,
     shw_ptr=None, shs_ptr=None, sha_ptr=None, sh_limit=0.0, SHARED: tl.constexpr = 0, SH_BK: tl.constexpr = 0,
     SH_GU: tl.constexpr = 0,
+    res_ptr=None, nw_ptr=None, s_out_ptr=None, h_ptr=None, ssq_ptr=None, eps=0.0, h16_ptr=None, hd_ptr=None,
+    NORM: tl.constexpr = False, F16: tl.constexpr = False,
 ):
     """Stage 2 for one token per program (row block nb of BN output rows, slot s) in 16-byte loads, as
     mxfp4_moe_stage1_vec_kernel: every step's down weights and scales are loaded, fenced, and only then
@@ -822,7 +824,8 @@ def mxfp4_moe_stage2_vec_kernel(
     else:
         _stage2_vec_routed(act_ptr, ids_ptr, w2_ptr, s2_ptr, part_ptr, s, rows, H, I, BN, BKW, INTERPRET, PDL,
                            PAIRED, ACT_PACKED, FENCE)
-    _sum_slots(part_ptr, cnt_ptr, y_ptr, add_ptr, nb, rows, T, K, H, 1, BN, HAS_ADD, SHARED)
+    _sum_slots(part_ptr, cnt_ptr, y_ptr, add_ptr, nb, rows, T, K, H, 1, BN, HAS_ADD, SHARED,
+               (res_ptr, nw_ptr, s_out_ptr, h_ptr, ssq_ptr, eps, h16_ptr, hd_ptr), NORM, F16, INTERPRET)
 
 
 @triton.jit
@@ -1023,6 +1026,7 @@ def mxfp4_moe(
     x_packed: torch.Tensor | None = None,  # x as pack_moe_x lays it out (bf16 [T, H]), or None
     shared: SharedExpert | None = None,  # the shared expert, run by the stages' own extra programs
     shared_gate_up: torch.Tensor | None = None,  # with `shared`: its gate|up GEMV's output (bf16 [1, rows])
+    _norm: dict | None = None,  # mxfp4_moe_add_norm's stage-2 arguments
 ) -> torch.Tensor:
     """Routed MXFP4 experts for T tokens: sum_k w[t,k] * down_e(swiglu_L(gate_e x_t, up_e x_t)) -> bf16 [T, H].
 
@@ -1085,9 +1089,41 @@ def mxfp4_moe(
     if add is not None:
         add = add.contiguous()
         assert add.shape == (T, H) and add.dtype == torch.bfloat16
+    if _norm is not None:
+        assert ws.count.numel() > launch.grid2[0], "one more arrival counter for the norm"
     launch.stage2(ws.act, topk_ids, w2_i32, w2_scale, ws.part, ws.count, out, add, shared=shared,
-                  shared_gate_up=shared_gate_up)
+                  shared_gate_up=shared_gate_up, norm=_norm)
     return out
+
+
+def mxfp4_moe_add_norm(
+    x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor,
+    w13_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor, swiglu_limit: float,
+    residual: torch.Tensor,  # [T, H] bf16: the residual stream the layer's output is added to
+    norm_w: torch.Tensor,  # [H] bf16: the next RMSNorm's weight
+    eps: float,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A MoE layer and the residual add + RMSNorm after it (the next layer's input norm):
+    ops.add_rms_norm(residual, mxfp4_moe(...), norm_w, eps) -> (s, norm(s)), bf16 [T, H] each, with the
+    add and the norm done by stage 2's last programs (_sum_slots) instead of a kernel of their own.
+    Windows the tensor-core GEMVs serve also get the norm's fp16 form (`h.f16_acts`, as the add+norm
+    kernel gives it). kwargs: mxfp4_moe's."""
+    from sparkchat.engine.kernels.fp8_gemv import _f16_outputs
+
+    T, H = x.shape
+    assert residual.shape == (T, H) and residual.dtype == torch.bfloat16 and residual.is_contiguous()
+    assert norm_w.shape == (H,) and norm_w.dtype == torch.bfloat16 and norm_w.is_contiguous()
+    s_out = torch.empty_like(residual)
+    h = torch.empty_like(residual)
+    cfg = kwargs.get("config") or moe_config(T, H, w13.shape[1] // 2)
+    bn2 = _fit(cfg.bn2, H)
+    ssq = torch.empty(T, H // bn2, dtype=torch.float32, device=x.device)
+    f16 = _f16_outputs(h)
+    norm = dict(res_ptr=residual, nw_ptr=norm_w, s_out_ptr=s_out, h_ptr=h, ssq_ptr=ssq, eps=float(eps), NORM=True,
+                h16_ptr=f16.get("h16_ptr"), hd_ptr=f16.get("hd_ptr"), F16=f16.get("F16", False))
+    mxfp4_moe(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, swiglu_limit, _norm=norm, **kwargs)
+    return s_out, h
 
 
 def shared_fusable(shared: SharedExpert, T: int, H: int, inter: int, config: MoeConfig | None = None) -> bool:
@@ -1134,12 +1170,13 @@ class _Plan:
         kernel[self.grid1](x, ids, rw, w13_i32, s13, act, limit, **self.meta1, **extra, **pdl_args(x.device))
 
     def stage2(self, act, ids, w2_i32, s2, part, count, out, add=None, shared: SharedExpert | None = None,
-               shared_gate_up: torch.Tensor | None = None) -> None:
-        """`shared`: its act is act's row T*K (made by stage 1), or with a plan for it, shared_gate_up."""
-        extra = {}
+               shared_gate_up: torch.Tensor | None = None, norm: dict | None = None) -> None:
+        """`shared`: its act is act's row T*K (made by stage 1), or with a plan for it, shared_gate_up.
+        `norm`: the add + RMSNorm after the layer (mxfp4_moe_add_norm's arguments)."""
+        extra = dict(norm or {})
         if self.meta2.get("SHARED", 0):
             src = shared_gate_up if self.meta2["SH_GU"] else act[-1]
-            extra = dict(shw_ptr=shared.down, shs_ptr=shared.down_scale, sha_ptr=src, sh_limit=float(shared.limit))
+            extra.update(shw_ptr=shared.down, shs_ptr=shared.down_scale, sha_ptr=src, sh_limit=float(shared.limit))
         act = act.view(torch.int32) if self.meta2["ACT_PACKED"] else act
         kernel = mxfp4_moe_stage2_vec_kernel if self.vec2 else mxfp4_moe_stage2_kernel
         kernel[self.grid2](act, ids, w2_i32, s2, part, count, out, out if add is None else add,

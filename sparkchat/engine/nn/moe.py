@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sparkchat.engine.nn.linear import GEMV_MAX_TOKENS, FusedLinear, Linear, project
+from sparkchat.engine.nn.norm import RMSNorm
 from sparkchat.engine.nn.ops import ops, register
 from sparkchat.engine.streams import fork
 
@@ -156,23 +157,36 @@ class MoE(nn.Module):
         self.fast_experts = None  # set by the GPU path: a callable with Experts.forward's signature
         self.side_stream = None  # set by the GPU path: the shared expert runs there, alongside the routing
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, add_norm: tuple[torch.Tensor, RMSNorm] | None = None):
+        """The layer's output [T, H]; with add_norm = (residual, norm): (residual + output, norm of that)
+        instead, the add and the norm done in the routed experts' last launch where the GPU path can
+        (ExpertsKernel.fuses_norm), else by norm.add_norm."""
+        fast = self.fast_experts
+        in_kernel = add_norm is not None and getattr(fast, "fuses_norm", None) is not None and fast.fuses_norm(x)
+        extra = {"norm": (add_norm[0], add_norm[1].weight, add_norm[1].eps)} if in_kernel else {}
+        out = self._forward(x, extra)
+        if add_norm is None or in_kernel:
+            return out
+        return add_norm[1].add_norm(add_norm[0], out)
+
+    def _forward(self, x: torch.Tensor, extra: dict):
         fuses = getattr(self.fast_experts, "fuses_shared", None)
         mode = fuses(x) if fuses is not None and self.shared_experts is not None else 0
         if mode == 2:  # both of the shared expert's projections inside the routed experts' launches
             ids, weights = self.gate(x)
-            return self.fast_experts(x, ids, weights, shared=True)
+            return self.fast_experts(x, ids, weights, shared=True, **extra)
         if mode == 1 and self.side_stream is not None:  # its gate|up beside the routing, its down in stage 2
             gate_up, join = fork(self.side_stream, self.shared_experts.fused, x)
             ids, weights = self.gate(x)
-            return self.fast_experts(x, ids, weights, shared=True, shared_gate_up=gate_up, join=join)
+            return self.fast_experts(x, ids, weights, shared=True, shared_gate_up=gate_up, join=join, **extra)
         if self.fast_experts is not None and self.shared_experts is not None and self.side_stream is not None:
             shared, join = fork(self.side_stream, self.shared_experts, x)  # overlaps the routing
             ids, weights = self.gate(x)
-            return self.fast_experts(x, ids, weights, add=shared, join=join)  # the add fuses in
+            return self.fast_experts(x, ids, weights, add=shared, join=join, **extra)  # the add fuses in
         ids, weights = self.gate(x)
         if self.fast_experts is not None and self.shared_experts is not None:
-            return self.fast_experts(x, ids, weights, add=self.shared_experts(x))
-        experts = self.experts if self.fast_experts is None else self.fast_experts
-        routed = experts(x, ids, weights)
+            return self.fast_experts(x, ids, weights, add=self.shared_experts(x), **extra)
+        if self.fast_experts is not None:
+            return self.fast_experts(x, ids, weights, **extra)
+        routed = self.experts(x, ids, weights)
         return routed if self.shared_experts is None else routed + self.shared_experts(x)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -23,13 +24,25 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return ops.rms_norm(x, self.weight, self.eps)
 
-    def add_norm(self, x: torch.Tensor, pending: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def add_norm(self, x: torch.Tensor, pending: torch.Tensor | NormedInput) -> tuple[torch.Tensor, torch.Tensor]:
         """(x + pending, self(x + pending)): the residual add fused with the norm (on the GPU path, for the
-        same decode/verify windows as the output projection's add+norm)."""
+        same decode/verify windows as the output projection's add+norm). A NormedInput made for this norm
+        is both already: x is the sum."""
+        if isinstance(pending, NormedInput):
+            assert pending.norm is self, "a NormedInput made for another norm"
+            return x, pending.h
         if (self.fast_add is not None and x.dim() == 2 and x.shape[0] <= GEMV_MAX_TOKENS
                 and x.dtype == pending.dtype == self.weight.dtype == torch.bfloat16):
             return self.fast_add(x, pending, self.weight, self.eps)
         return ops.add_rms_norm(x, pending, self.weight, self.eps)
+
+
+@dataclass
+class NormedInput:
+    """A layer's MLP output already added to the residual stream and normed by the norm after it (a MoE
+    layer's last launch did both: MoE.forward's add_norm): what `norm.add_norm` then returns as is."""
+    h: torch.Tensor
+    norm: RMSNorm
 
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
