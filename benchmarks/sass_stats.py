@@ -189,12 +189,14 @@ def moe_vec_loads(stage: int, arch: int = 90, fence: bool = True) -> tuple[dict,
     return kinds, registers(kernel, name)
 
 
-def router_sass(arch: int) -> list[str] | None:
-    """The whole route_kernel (one token, the Ling shape) as the engine launches it."""
+def router_sass(arch: int, scored: bool = False) -> list[str] | None:
+    """The whole route_kernel (one token, the Ling shape) as the engine launches it: from the logits
+    GEMV's 10 split-K partials, or (scored) from the scores its last programs made
+    (SPARKCHAT_ROUTER_SCORES=1)."""
     from sparkchat.engine.kernels import router as r
 
     sig = {"logits_ptr": "*fp32", "bias_ptr": "*fp32", "ids_ptr": "*i64", "w_ptr": "*fp32", "scaling": "fp32"}
-    cx = dict(E=E, G=8, TG=4, K=K, KP=8, RENORM=True, T=1, SPLIT=10, PDL=True)
+    cx = dict(E=E, G=8, TG=4, K=K, KP=8, RENORM=True, T=1, SPLIT=10, PDL=True, SCORED=scored)
     return compile_sass(r.route_kernel, sig, cx, r.ROUTE_WARPS, arch)
 
 
@@ -333,6 +335,7 @@ def main() -> None:
                     report(f"mxfp4_moe T={T} stage {stage} {kind} (k loop)", body, weights)
         moe_shared_report(arch)
         report("route_kernel (whole kernel, one warp)", router_sass(arch))
+        report("route_kernel from the GEMV's scores (SPARKCHAT_ROUTER_SCORES=1)", router_sass(arch, scored=True))
         kernel, weights = mma_gemv(arch)
         ptx = kernel.asm["ptx"]
         mma = "wgmma" if "wgmma" in ptx else "mma.sync" if "mma.sync" in ptx else "no MMA"

@@ -36,9 +36,9 @@ print("ok")
 """
 
 
-def run_script(script: str) -> None:
+def run_script(script: str, **env_extra: str) -> None:
     """Run a check in a fresh interpreter: on the GPU when there is one, else Triton's CPU interpreter."""
-    env = dict(os.environ)
+    env = dict(os.environ, **env_extra)
     if not torch.cuda.is_available():
         env["TRITON_INTERPRET"] = "1"
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
@@ -123,3 +123,40 @@ print("ok")
 def test_router_kernel_lane_best_ties():
     """Exact ids where only the tie rule decides: the per-lane bests must hand over the lowest index."""
     run_script(LANE_TIES_SCRIPT)
+
+
+SCORED_SCRIPT = """
+import os
+import torch
+from sparkchat.engine.kernels.fp8_gemv import router_scores
+from sparkchat.engine.kernels.router import route
+dev = "cuda" if torch.cuda.is_available() else "cpu"
+torch.manual_seed(3)
+E, G, TG, K, H = 512, 8, 4, 8, 640
+for T in (1, 3):
+    x = torch.randn(T, H, device=dev).to(torch.bfloat16)
+    for W in ((torch.randn(E, H, device=dev) * 0.04).to(torch.bfloat16),
+              (torch.randn(6, H, device=dev) * 0.05)[torch.randint(0, 6, (E,), device=dev)]):  # ties
+        b = torch.randn(E, device=dev).round() * 0.25
+        os.environ["SPARKCHAT_ROUTER_SCORES"] = "0"
+        i1, w1 = route(x, W, b, G, TG, K, 2.5, True)
+        os.environ["SPARKCHAT_ROUTER_SCORES"] = "1"
+        i2, w2 = route(x, W, b, G, TG, K, 2.5, True)
+        assert torch.equal(i1, i2) and torch.equal(w1, w2), (T, i1, i2)  # the same fp32 logits, summed in order
+        sc = router_scores(x, W, b)
+        want = torch.sigmoid(x.float() @ W.float().T)
+        assert torch.allclose(sc[0], want, atol=1e-5) and torch.allclose(sc[1], want + b, atol=1e-5)
+print("ok")
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed (CPU-only CI)")
+def test_router_scores_made_by_the_gemv_route_as_the_top_k_kernel_does():
+    """SPARKCHAT_ROUTER_SCORES=1: the logits GEMV's last programs sum the split-K partials and make the
+    scores; the top-k then picks the very experts and weights it picks from the partials."""
+    run_script(SCORED_SCRIPT)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed (CPU-only CI)")
+def test_router_kernel_lane_best_ties_with_scores_from_the_gemv():
+    run_script(LANE_TIES_SCRIPT, SPARKCHAT_ROUTER_SCORES="1")

@@ -138,6 +138,7 @@ def fp8_gemv_kernel(
     cnt_ptr=None, res_ptr=None, nw_ptr=None, s_out_ptr=None, h_ptr=None, ssq_ptr=None, eps=0.0,
     h16_ptr=None, hd_ptr=None, F16: tl.constexpr = False, hx_ptr=None, MOE_X: tl.constexpr = False,
     INTERPRET: tl.constexpr = False,
+    ROUTER: tl.constexpr = False,  # OUT 3: then the router's scores (_router_scores_tail; cnt_ptr, res_ptr = bias)
 ):
     """Rows [pid*RS*BN, +RS*BN) of y = x @ w.T for T tokens, over this program's share of K. The
     program holds RS row tiles of [BN, BK] fp8 per k step; each token's activation chunk is loaded
@@ -217,6 +218,33 @@ def fp8_gemv_kernel(
     if ADD_NORM:
         _add_norm_tail(y_ptr, cnt_ptr, res_ptr, nw_ptr, s_out_ptr, h_ptr, ssq_ptr, eps, h16_ptr, hd_ptr, hx_ptr,
                        pid, r0, sub, T, N, BN, RS, SPLIT, F16, MOE_X, INTERPRET)
+    if ROUTER:
+        _router_scores_tail(y_ptr, cnt_ptr, res_ptr, s_out_ptr, pid, r0, sub, T, N, BN, RS, SPLIT)
+
+
+@triton.jit
+def _router_scores_tail(part_ptr, cnt_ptr, bias_ptr, scores_ptr, pid, r0, sub, T: tl.constexpr, N: tl.constexpr,
+                        BN: tl.constexpr, RS: tl.constexpr, SPLIT: tl.constexpr):
+    """The router logits' GEMV finishing what the top-k kernel would start with: the last split of each
+    row block to finish (arrival counter pid, reset by it) sums its rows' partials in split order — the
+    top-k kernel's order, so the same fp32 logits — and writes each expert's sigmoid score
+    (scores[0, t]) and its selection score, sigmoid + expert bias (scores[1, t]). Done here by 32 programs
+    side by side, that work leaves the top-k's single warp (kernels/router.py, SCORED)."""
+    tl.debug_barrier()  # this program's partial stores -> the release below
+    done = tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel", scope="gpu")
+    if done == SPLIT - 1:
+        tl.debug_barrier()
+        for t in tl.static_range(T):
+            for r in tl.static_range(RS):
+                rows = r0 + r * BN + sub
+                m = rows < N
+                y = tl.load(part_ptr + t * N + rows, mask=m, other=0.0, cache_modifier=".cg")
+                for p in tl.static_range(1, SPLIT):
+                    y += tl.load(part_ptr + (p * T + t) * N + rows, mask=m, other=0.0, cache_modifier=".cg")
+                sc = tl.sigmoid(y)
+                tl.store(scores_ptr + t * N + rows, sc, mask=m)
+                tl.store(scores_ptr + (T + t) * N + rows, sc + tl.load(bias_ptr + rows, mask=m, other=0.0), mask=m)
+        tl.store(cnt_ptr + pid, 0)
 
 
 @triton.jit
@@ -745,6 +773,29 @@ def plain_gemv_partials(x: torch.Tensor, w: torch.Tensor, config: GemvConfig | N
         SPLIT=split, PREFETCH=cfg.prefetch, ROW_ACC=cfg.row_acc, OUT=3, KACC=_kacc(cfg, bk), num_warps=cfg.warps,
         **pdl_args(x.device))
     return part
+
+
+def router_scores(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, config: GemvConfig | None = None) -> torch.Tensor:
+    """The router's scores for a decode window, in one launch of the split-K GEMV whose last programs
+    sum the partials (_router_scores_tail): fp32 [2, T, E], sigmoid(x @ w.T) and that plus `bias`, the
+    very values the top-k kernel computes from plain_gemv_partials' output."""
+    T, K = x.shape
+    N = w.shape[0]
+    assert w.shape[1] == K and w.dtype in (torch.float32, torch.bfloat16) and w.is_contiguous()
+    assert x.dtype == torch.bfloat16 and x.is_contiguous() and 1 <= T <= 8
+    assert bias.shape == (N,) and bias.dtype == torch.float32 and bias.is_contiguous()
+    cfg = config or gemv_config("plain", T, N, K)
+    bk = min(cfg.bk, _pow2(K))
+    split = _split_for(K, bk, cfg.split)
+    part = torch.empty(split, T, N, dtype=torch.float32, device=x.device)
+    scores = torch.empty(2, T, N, dtype=torch.float32, device=x.device)
+    blocks = triton.cdiv(N, cfg.bn * cfg.rs)
+    fp8_gemv_kernel[(blocks, split)](
+        x, w, w, part, part, part, T=T, N=N, K=K, BN=cfg.bn, RS=cfg.rs, BK=bk, UNROLL=cfg.unroll, SCALE=2,
+        SPLIT=split, PREFETCH=cfg.prefetch, ROW_ACC=cfg.row_acc, OUT=3, KACC=_kacc(cfg, bk), num_warps=cfg.warps,
+        ROUTER=True, cnt_ptr=arrival_counters("router_scores", x.device, blocks), res_ptr=bias, s_out_ptr=scores,
+        **pdl_args(x.device))
+    return scores
 
 
 def fp8_head_argmax_workspace(T: int, V: int, device, config: GemvConfig | None = None, H: int | None = None):

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sparkchat.engine.kernels.fp8_gemv import GemvConfig, plain_gemv_partials
+from sparkchat.engine.kernels.fp8_gemv import GemvConfig, plain_gemv_partials, router_scores
 from sparkchat.engine.kernels.pdl import pdl_args, pdl_wait
 
 
@@ -46,7 +46,10 @@ def _ordered(x):
 @triton.jit
 def route_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, scaling,
                  E: tl.constexpr, G: tl.constexpr, TG: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
-                 RENORM: tl.constexpr, T: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr = False):
+                 RENORM: tl.constexpr, T: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr = False,
+                 SCORED: tl.constexpr = False):
+    """SCORED: logits_ptr holds the scores already (fp8_gemv.router_scores: [2, T, E], sigmoid and
+    sigmoid + bias); else SPLIT partial logits [SPLIT, T, E] to add in order (bias_ptr: the bias)."""
     t = tl.program_id(0)
     pdl_wait(PDL)
     GS: tl.constexpr = E // G
@@ -56,10 +59,13 @@ def route_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, scaling,
     L: tl.constexpr = E // V if E // V < 32 else 32
     R: tl.constexpr = E // (L * V)
     ar = tl.arange(0, E)
-    logit = tl.load(logits_ptr + t * E + ar)
-    for p in tl.static_range(1, SPLIT):  # the GEMV's split-K partial sums, added in a fixed order
-        logit += tl.load(logits_ptr + (p * T + t) * E + ar)
-    c = tl.sigmoid(logit) + tl.load(bias_ptr + ar)
+    if SCORED:
+        c = tl.load(logits_ptr + (T + t) * E + ar)
+    else:
+        logit = tl.load(logits_ptr + t * E + ar)
+        for p in tl.static_range(1, SPLIT):  # the GEMV's split-K partial sums, added in a fixed order
+            logit += tl.load(logits_ptr + (p * T + t) * E + ar)
+        c = tl.sigmoid(logit) + tl.load(bias_ptr + ar)
     c2 = tl.reshape(c, (G, GS))
     # each group's two best in one reduction of (best, second) pairs: no argmax and no second pass
     best, second = tl.reduce((c2, tl.full(c2.shape, float("-inf"), tl.float32)), 1, _top2)
@@ -92,10 +98,13 @@ def route_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, scaling,
     # the weights: the chosen experts' logits reloaded (cache hits) and summed in the same order as above,
     # so bit-identical to their scores, instead of one more reduction (a masked sum) per pick
     kmask = kr < K
-    li = tl.load(logits_ptr + t * E + ids, mask=kmask, other=0.0)
-    for p in tl.static_range(1, SPLIT):
-        li += tl.load(logits_ptr + (p * T + t) * E + ids, mask=kmask, other=0.0)
-    ws = tl.where(kmask, tl.sigmoid(li), 0.0)
+    if SCORED:
+        ws = tl.load(logits_ptr + t * E + ids, mask=kmask, other=0.0)
+    else:
+        li = tl.load(logits_ptr + t * E + ids, mask=kmask, other=0.0)
+        for p in tl.static_range(1, SPLIT):
+            li += tl.load(logits_ptr + (p * T + t) * E + ids, mask=kmask, other=0.0)
+        ws = tl.where(kmask, tl.sigmoid(li), 0.0)
     if RENORM:
         ws = ws / (tl.sum(ws, axis=0) + 1e-20)
     tl.store(ids_ptr + t * K + kr, ids.to(tl.int64), mask=kmask)
@@ -116,13 +125,25 @@ def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, groups: int
     T, E = x.shape[0], weight.shape[0]
     assert E % groups == 0 and (E & (E - 1)) == 0 and (groups & (groups - 1)) == 0, "power-of-two E and groups"
     assert weight.dtype in (torch.float32, torch.bfloat16) and bias.dtype == torch.float32 and bias.shape == (E,)
+    scored = False
     if T <= 8 and x.dtype == torch.bfloat16 and (x.is_cuda or _interpreting()):
-        logits = plain_gemv_partials(x.contiguous(), weight, gemv)  # [S, T, E]: summed below, in order
+        scored = router_scores_enabled()
+        if scored:  # [2, T, E]: the GEMV's last programs made the scores
+            logits = router_scores(x.contiguous(), weight, bias, gemv)
+        else:
+            logits = plain_gemv_partials(x.contiguous(), weight, gemv)  # [S, T, E]: summed below, in order
     else:
         logits = (x.float() @ weight.float().T).contiguous()[None]
     ids = torch.empty(T, top_k, dtype=torch.int64, device=x.device)
     w = torch.empty(T, top_k, dtype=torch.float32, device=x.device)
     route_kernel[(T,)](logits, bias, ids, w, float(scaling), E=E, G=groups, TG=top_groups, K=top_k,
                        KP=triton.next_power_of_2(top_k), RENORM=renormalize, T=T, SPLIT=logits.shape[0],
-                       num_warps=num_warps or ROUTE_WARPS, **pdl_args(x.device))
+                       SCORED=scored, num_warps=num_warps or ROUTE_WARPS, **pdl_args(x.device))
     return ids, w
+
+
+def router_scores_enabled() -> bool:
+    """SPARKCHAT_ROUTER_SCORES=1: the router logits' GEMV also sums its split-K partials and makes the
+    scores in its last programs (fp8_gemv.router_scores), taking that work off the top-k's single warp
+    (sm_90 SASS: 1648 instructions a token -> see docs/benchmarks.md session 22). Opt-in until timed."""
+    return os.environ.get("SPARKCHAT_ROUTER_SCORES", "0") == "1"
