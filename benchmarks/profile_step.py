@@ -12,7 +12,8 @@ time inside the graph, and how much of the step no kernel was running (the gaps 
 --sequence lists every kernel in start order as well.
 With --draft it does the same for a greedy MTP draft of 3 tokens (one graph), each kernel in order.
 With --switch NAME it alternates one environment switch on and off (NAME=VALUE: VALUE and 0; NAME=V1,V2:
-each value, then 0), timing the graphed step each time.
+each value, then 0), timing the graphed step each time; given several times, it does so for each switch
+in turn (the others off), over one model build.
 With --ab it times the graphed decode step with programmatic dependent launch (kernels/pdl.py), the
 shared expert's side stream (engine/streams.py) and the MoE's bf16x2 products (kernels/mxfp4_moe.py)
 all on, each off alone, and all off.
@@ -50,7 +51,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=1, help="--timeline: a verify of this many tokens instead")
     ap.add_argument("--sequence", action="store_true", help="--timeline: every kernel in start order as well")
     ap.add_argument("--draft", action="store_true", help="each kernel of a greedy 3-draft chain (MTP)")
-    ap.add_argument("--switch", default=None, help="time the graphed step with this env switch 1/0 alternated")
+    ap.add_argument("--switch", action="append", default=None,
+                    help="time the graphed step with this env switch 1/0 alternated (repeatable)")
     ap.add_argument("--rounds", type=int, default=3, help="--switch: rounds of on, off")
     ap.add_argument("--ab", action="store_true", help="time PDL, the side stream and packed MoE products on and off")
     ap.add_argument("--knockout", action="store_true", help="time the step without the shared expert / router")
@@ -67,7 +69,8 @@ def main() -> None:
         compare_overlap(model, state)
         return
     if args.switch:
-        alternate(model, state, args.switch, args.rounds)
+        for switch in args.switch:
+            alternate(model, state, switch, args.rounds)
         return
     if args.knockout:
         knockout(model, state)
@@ -285,12 +288,18 @@ def alternate(model, state: ConversationState, name: str, rounds: int = 3) -> No
     import os
 
     name, _, on = name.partition("=")  # NAME=VALUE alternates VALUE and 0; NAME=V1,V2 each of them and 0
+    before = os.environ.get(name)
     for _ in range(rounds):
         for value in (*(on or "1").split(","), "0"):
             os.environ[name] = value
             fastpath.install(model, linears=True, experts=True, head=True)
             print(f"{name}={value}  graph decode step: {graph_step_ms(model, state):.3f} ms, "
                   f"verify of 4: {graph_step_ms(model, state, tokens=4):.3f} ms", flush=True)
+    if before is None:  # the next switch is timed with this one as it was
+        os.environ.pop(name)
+    else:
+        os.environ[name] = before
+    fastpath.install(model, linears=True, experts=True, head=True)
 
 
 def knockout(model, state: ConversationState, rounds: int = 2) -> None:
