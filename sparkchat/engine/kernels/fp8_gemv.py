@@ -223,6 +223,16 @@ def fp8_gemv_kernel(
 
 
 @triton.jit
+def _split_sum(part_ptr, t, rows, m, T: tl.constexpr, N: tl.constexpr, SPLIT: tl.constexpr):
+    """Token t's split-K partial sums [SPLIT, T, N] at `rows` (mask m) added in split order, read past L1
+    (other programs wrote them)."""
+    y = tl.load(part_ptr + t * N + rows, mask=m, other=0.0, cache_modifier=".cg")
+    for p in tl.static_range(1, SPLIT):
+        y += tl.load(part_ptr + (p * T + t) * N + rows, mask=m, other=0.0, cache_modifier=".cg")
+    return y
+
+
+@triton.jit
 def _router_scores_tail(part_ptr, cnt_ptr, bias_ptr, scores_ptr, pid, r0, sub, T: tl.constexpr, N: tl.constexpr,
                         BN: tl.constexpr, RS: tl.constexpr, SPLIT: tl.constexpr):
     """The router logits' GEMV finishing what the top-k kernel would start with: the last split of each
@@ -238,10 +248,7 @@ def _router_scores_tail(part_ptr, cnt_ptr, bias_ptr, scores_ptr, pid, r0, sub, T
             for r in tl.static_range(RS):
                 rows = r0 + r * BN + sub
                 m = rows < N
-                y = tl.load(part_ptr + t * N + rows, mask=m, other=0.0, cache_modifier=".cg")
-                for p in tl.static_range(1, SPLIT):
-                    y += tl.load(part_ptr + (p * T + t) * N + rows, mask=m, other=0.0, cache_modifier=".cg")
-                sc = tl.sigmoid(y)
+                sc = tl.sigmoid(_split_sum(part_ptr, t, rows, m, T, N, SPLIT))
                 tl.store(scores_ptr + t * N + rows, sc, mask=m)
                 tl.store(scores_ptr + (T + t) * N + rows, sc + tl.load(bias_ptr + rows, mask=m, other=0.0), mask=m)
         tl.store(cnt_ptr + pid, 0)
@@ -368,9 +375,7 @@ def _add_norm_tail(part_ptr, cnt_ptr, res_ptr, nw_ptr, s_out_ptr, h_ptr, ssq_ptr
             for r in tl.static_range(RS):
                 rows = r0 + r * BN + sub
                 m = rows < N
-                y = tl.load(part_ptr + t * N + rows, mask=m, other=0.0, cache_modifier=".cg")
-                for p in tl.static_range(1, SPLIT):
-                    y += tl.load(part_ptr + (p * T + t) * N + rows, mask=m, other=0.0, cache_modifier=".cg")
+                y = _split_sum(part_ptr, t, rows, m, T, N, SPLIT)
                 res = tl.load(res_ptr + t * N + rows, mask=m, other=0.0).to(tl.float32)
                 sv = (res + y.to(tl.bfloat16).to(tl.float32)).to(tl.bfloat16)
                 tl.store(s_out_ptr + t * N + rows, sv, mask=m)
