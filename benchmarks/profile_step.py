@@ -321,12 +321,12 @@ def knockout(model, state: ConversationState, rounds: int = 2) -> None:
     def fixed_route(x, *args, **kwargs):
         return fixed[x.shape[0]]
 
-    def late_join(self, x):  # the shared expert joined after the routed experts, its output unused
+    def late_join(self, x, add_norm=None):  # the shared expert joined after the routed experts, its output unused
         shared, join = fork(self.side_stream, self.shared_experts, x)
         ids, weights = self.gate(x)
         out = self.fast_experts(x, ids, weights)
         join()
-        return out
+        return out if add_norm is None else add_norm[1].add_norm(add_norm[0], out)
 
     # (shared expert: "on" / "off" / "main" stream / "late" join, router on)
     variants = {"everything": ("on", True), "no shared expert": ("off", True),
