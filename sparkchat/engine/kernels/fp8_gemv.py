@@ -659,7 +659,7 @@ def fp8_block_gemv_add_norm(
     part = torch.empty(split, T, N, dtype=torch.float32, device=x.device)
     s_out = torch.empty_like(residual)
     h = torch.empty_like(residual)
-    if not cfg.mma and T >= FUSED_ADD_NORM_MIN_TOKENS and fused_add_norm_enabled():  # one launch
+    if not cfg.mma and T >= fused_add_norm_min_tokens() and fused_add_norm_enabled():  # one launch
         blocks = triton.cdiv(N, cfg.bn * cfg.rs)
         ssq = torch.empty(T, blocks * cfg.rs, dtype=torch.float32, device=x.device)
         _gemv(x, w, scale_inv, part, part, part, 0, 3, cfg, bk, split, ADD_NORM=True,
@@ -674,9 +674,15 @@ def fp8_block_gemv_add_norm(
 
 
 # Measured on the H200 (docs/benchmarks.md, session 12): the graphed 4-token verify 0.1 ms faster fused,
-# the one-token step 0.01 ms slower (its GEMV's registers go from 56 to 80 for the tail), so one token
-# keeps the two launches.
+# the one-token step 0.01 ms slower (its GEMV's registers went from 56 to 80 for the tail), so one token
+# keeps the two launches. (Today's one-token output projection takes 72 registers either way, sm_90 SASS,
+# session 22: SPARKCHAT_FUSED_ADD_NORM_ONE_TOKEN=1 fuses one token too, to be timed again.)
 FUSED_ADD_NORM_MIN_TOKENS = 2
+
+
+def fused_add_norm_min_tokens() -> int:
+    """The shortest window whose output projection does its add+norm in its own launch."""
+    return 1 if os.environ.get("SPARKCHAT_FUSED_ADD_NORM_ONE_TOKEN", "0") == "1" else FUSED_ADD_NORM_MIN_TOKENS
 
 
 def fused_add_norm_enabled() -> bool:
