@@ -12,8 +12,8 @@ time inside the graph, and how much of the step no kernel was running (the gaps 
 --sequence lists every kernel in start order as well.
 With --draft it does the same for a greedy MTP draft of 3 tokens (one graph), each kernel in order.
 With --switch NAME it alternates one environment switch on and off (NAME=VALUE: VALUE and 0; NAME=V1,V2:
-each value, then 0), timing the graphed step each time; given several times, it does so for each switch
-in turn (the others off), over one model build.
+each value, then 0; A=1+B=2: both set, then both 0), timing the graphed step each time; given several
+times, it does so for each switch in turn (the others as they were), over one model build.
 With --ab it times the graphed decode step with programmatic dependent launch (kernels/pdl.py), the
 shared expert's side stream (engine/streams.py) and the MoE's bf16x2 products (kernels/mxfp4_moe.py)
 all on, each off alone, and all off.
@@ -185,7 +185,8 @@ def gemv_roles(names: list[str]) -> list[str]:
     (the engine's order): after the add+norm that opens a layer, the attention's input projection; after
     the attention (kda_decode / mla_combine_unfold), its output projection; after the next add+norm, the
     router logits, shared expert gate|up and down in issue order where a route_kernel follows (a MoE
-    layer), else the dense MLP's gate|up and down; the step's last GEMV, the head."""
+    layer), else the dense MLP's gate|up and down; the step's last GEMV, the head. Either add+norm may be
+    missing (done inside the output projection, or the MoE's stage 2: the engine's opt-in fusions)."""
     roles = list(names)
     phase, ffn = "layer", []
     moe = ("gemv router logits", "gemv shared gate|up", "gemv shared down")
@@ -199,10 +200,14 @@ def gemv_roles(names: list[str]) -> list[str]:
         if name.startswith("fp8_gemv"):
             if phase in ("ffn", "moe"):
                 ffn.append(i)
-            else:
-                roles[i] = "gemv attention input" if phase == "layer" else "gemv attention output"
+            elif phase == "attention":
+                roles[i], phase = "gemv attention output", "attention out"
+            elif phase == "attention out":  # the output projection did its own add+norm: the FFN's first GEMV
+                phase, ffn = "ffn", [i]
+            else:  # a layer's start (after an add+norm, or a MoE whose stage 2 did the add+norm)
+                roles[i] = "gemv attention input"
         elif name.startswith("splitk_add_norm"):
-            if phase == "attention":
+            if phase in ("attention", "attention out"):
                 phase, ffn = "ffn", []
             else:
                 close_ffn(False) if phase == "ffn" and ffn else None
@@ -287,18 +292,25 @@ def alternate(model, state: ConversationState, name: str, rounds: int = 3) -> No
     """The graphed step with one switch on, off, on, off...: a change's effect without machine drift."""
     import os
 
-    name, _, on = name.partition("=")  # NAME=VALUE alternates VALUE and 0; NAME=V1,V2 each of them and 0
-    before = os.environ.get(name)
+    if "+" in name:  # A=1+B=2: several switches set together, alternated with all of them 0
+        settings = [part.partition("=") for part in name.split("+")]
+        variants = [[(n, v or "1") for n, _, v in settings], [(n, "0") for n, _, _ in settings]]
+    else:  # NAME=VALUE alternates VALUE and 0; NAME=V1,V2 each of them and 0
+        n, _, on = name.partition("=")
+        variants = [[(n, v)] for v in (*(on or "1").split(","), "0")]
+    before = {n: os.environ.get(n) for n, _ in variants[0]}
     for _ in range(rounds):
-        for value in (*(on or "1").split(","), "0"):
-            os.environ[name] = value
+        for variant in variants:
+            os.environ.update(dict(variant))
             fastpath.install(model, linears=True, experts=True, head=True)
-            print(f"{name}={value}  graph decode step: {graph_step_ms(model, state):.3f} ms, "
+            label = "+".join(f"{n}={v}" for n, v in variant)
+            print(f"{label}  graph decode step: {graph_step_ms(model, state):.3f} ms, "
                   f"verify of 4: {graph_step_ms(model, state, tokens=4):.3f} ms", flush=True)
-    if before is None:  # the next switch is timed with this one as it was
-        os.environ.pop(name)
-    else:
-        os.environ[name] = before
+    for n, value in before.items():  # the next switch is timed with these as they were
+        if value is None:
+            os.environ.pop(n)
+        else:
+            os.environ[n] = value
     fastpath.install(model, linears=True, experts=True, head=True)
 
 

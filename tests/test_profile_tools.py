@@ -25,9 +25,42 @@ def test_gemv_roles_follow_the_layer_order():
     assert roles[1] == "kda_decode_kernel"
 
 
+def test_gemv_roles_without_the_add_norm_kernels():
+    """The opt-in fusions drop an add+norm: the output projection's own (one token), or the one after a
+    MoE layer (done by its stage 2); with the shared expert inside the stages only the router GEMV is left."""
+    names = ["fp8_gemv_kernel", "kda_decode_kernel", "fp8_gemv_kernel",  # KDA layer, o_proj with its add+norm
+             "fp8_gemv_kernel", "route_kernel", "mxfp4_moe_stage1_kernel", "mxfp4_moe_stage2_kernel",  # + norm
+             "fp8_gemv_kernel", "kda_decode_kernel", "fp8_gemv_kernel", "splitk_add_norm_kernel",
+             "fp8_gemv_kernel", "fp8_gemv_kernel", "route_kernel", "mxfp4_moe_stage1_kernel",
+             "mxfp4_moe_stage2_kernel", "fp8_gemv_kernel"]
+    roles = [r for r in profile_step.gemv_roles(names) if r.startswith("gemv")]
+    assert roles == ["gemv attention input", "gemv attention output", "gemv router logits",
+                     "gemv attention input", "gemv attention output", "gemv router logits", "gemv shared gate|up",
+                     "gemv head"]
+
+
 def test_exposed_time_sums_to_the_wall_and_credits_what_each_kernel_adds():
     spans = [(0.0, 10.0, "a"), (2.0, 4.0, "b"), (3.0, 12.0, "c"), (11.0, 11.5, "b"), (14.0, 15.0, "d")]
     got = profile_step.exposed_us(spans)
     # ends in order: b 4 (0..4), a 10, b 11.5, c 12, then d 15 with the idle gap before it (its launch)
     assert got == {"b": (5.5, 2), "a": (6.0, 1), "c": (0.5, 1), "d": (3.0, 1)}
     assert sum(us for us, _ in got.values()) == 15.0
+
+
+def test_switch_alternation_sets_several_together_and_restores_them(monkeypatch):
+    """--switch A=1+B=3 times both set, then both 0; NAME=V1,V2 each value, then 0; afterwards every switch
+    is as it was, so the next --switch is timed against the same baseline."""
+    import os
+    import types
+
+    seen = []
+    monkeypatch.setattr(profile_step, "fastpath", types.SimpleNamespace(
+        install=lambda *a, **k: seen.append((os.environ.get("SPARKCHAT_T_A"), os.environ.get("SPARKCHAT_T_B")))))
+    monkeypatch.setattr(profile_step, "graph_step_ms", lambda model, state, tokens=1: 1.0)
+    monkeypatch.setenv("SPARKCHAT_T_B", "7")
+    monkeypatch.delenv("SPARKCHAT_T_A", raising=False)
+    profile_step.alternate(None, None, "SPARKCHAT_T_A=1+SPARKCHAT_T_B=3", rounds=1)
+    assert seen == [("1", "3"), ("0", "0"), (None, "7")]
+    seen.clear()
+    profile_step.alternate(None, None, "SPARKCHAT_T_A=1,2", rounds=2)
+    assert seen == [("1", "7"), ("2", "7"), ("0", "7")] * 2 + [(None, "7")]
