@@ -279,8 +279,8 @@ def install(model, *, linears: bool, experts: bool, head: bool) -> None:
         if isinstance(m, KimiDeltaAttention):
             m.fast_core = kda_core if m.A_log.is_cuda else None
         if isinstance(m, MoE):
-            m.fast_experts = (ExpertsKernel(m.experts, m.shared_experts, shared_in_stages_mode(), moe_add_norm_enabled())
-                              if experts and m.experts.is_mxfp4 else None)
+            m.fast_experts = (ExpertsKernel(m.experts, m.shared_experts, shared_in_stages_mode(),
+                                            moe_add_norm_enabled()) if experts and m.experts.is_mxfp4 else None)
             if m.fast_experts is not None and m.experts.w13.is_cuda:
                 m.experts.use_paired_words(paired_words_enabled())  # the reference path unpairs what it reads
             overlap = m.fast_experts is not None and m.experts.w13.is_cuda and side_stream_enabled()

@@ -786,7 +786,8 @@ def plain_gemv_partials(x: torch.Tensor, w: torch.Tensor, config: GemvConfig | N
     return part
 
 
-def router_scores(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, config: GemvConfig | None = None) -> torch.Tensor:
+def router_scores(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor,
+                  config: GemvConfig | None = None) -> torch.Tensor:
     """The router's scores for a decode window, in one launch of the split-K GEMV whose last programs
     sum the partials (_router_scores_tail): fp32 [2, T, E], sigmoid(x @ w.T) and that plus `bias`, the
     very values the top-k kernel computes from plain_gemv_partials' output."""

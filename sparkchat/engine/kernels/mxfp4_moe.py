@@ -1228,7 +1228,8 @@ def _plan(T: int, K: int, H: int, inter: int, cfg: MoeConfig, paired: bool = Fal
             extra1 = 0
             assert shared_up > 0, "the up rows follow the gate rows"
         meta2.update(SHARED=extra2, SH_BK=_fit(256, inter), SH_GU=0 if shared_stage1 else shared_up)
-    return _Plan(grid1=(T * K + extra1, inter // (bn1 if vec1 else bn1 * rs1)), grid2=(H // (bn2 * rs2), T * K + extra2),
+    return _Plan(grid1=(T * K + extra1, inter // (bn1 if vec1 else bn1 * rs1)),
+                 grid2=(H // (bn2 * rs2), T * K + extra2),
                  meta1=meta1, meta2=meta2, vec1=vec1, vec2=vec2)
 
 
