@@ -170,6 +170,8 @@ class MoE(nn.Module):
         return add_norm[1].add_norm(add_norm[0], out)
 
     def _forward(self, x: torch.Tensor, extra: dict):
+        """The routed and shared experts, wherever each runs; `extra` goes to the fast experts (their
+        `norm`, when forward has them do the add and norm after the layer)."""
         fuses = getattr(self.fast_experts, "fuses_shared", None)
         mode = fuses(x) if fuses is not None and self.shared_experts is not None else 0
         if mode == 2:  # both of the shared expert's projections inside the routed experts' launches
