@@ -243,11 +243,11 @@ def test_mxfp4_moe_vectorized_stages_gpu(T, vec2):
 
 
 @gpu
-@pytest.mark.parametrize("vec", [False, True])
-def test_mxfp4_moe_shared_expert_in_the_stages_gpu(vec):
-    """The Ling shape (I = 768 for routed and shared experts alike), the engine's one-token config (and
-    the 16-byte-load stages): the shared expert inside the stages, both projections or only its down,
-    against the routed kernel plus the shared MLP's own GEMVs added in stage 2."""
+@pytest.mark.parametrize("T,vec", [(1, False), (1, True), (4, False)])
+def test_mxfp4_moe_shared_expert_in_the_stages_gpu(T, vec):
+    """The Ling shape (I = 768 for routed and shared experts alike), the engine's configs (and the
+    16-byte-load stages): the shared expert inside the stages, both projections (one token) or only its
+    down, against the routed kernel plus the shared MLP's own GEMVs added in stage 2."""
     from dataclasses import replace
 
     from sparkchat.engine.kernels.fp8_gemv import fp8_block_gemv, fp8_block_gemv_swiglu
@@ -259,22 +259,24 @@ def test_mxfp4_moe_shared_expert_in_the_stages_gpu(vec):
     gu_w, gu_s = make_fp8(1536, 2560, "cuda", gen)
     dn_w, dn_s = make_fp8(2560, 768, "cuda", gen)
     sh = SharedExpert(gu_w, gu_s, 768, dn_w, dn_s, 7.0)
-    cfg = moe_config(1, 2560, 768)
+    cfg = moe_config(T, 2560, 768)
     if vec:
-        cfg = replace(cfg, vec1=True, vec2=True, **_VEC1[(1, 2560, 768)])
+        cfg = replace(cfg, vec1=True, vec2=True, **_VEC1[(T, 2560, 768)])
     for _ in range(3):
-        ids, wts = make_routing(1, 8, 40, 0, gen)
+        ids, wts = make_routing(T, 8, 40, 2, gen)
         ids, wts = ids.cuda(), wts.cuda()
-        x = torch.randn(1, 2560, generator=gen).bfloat16().cuda()
+        x = torch.randn(T, 2560, generator=gen).bfloat16().cuda()
+        xp = pack_moe_x(x)
         gu = fp8_block_gemv(x, gu_w, gu_s)
         y_sh = fp8_block_gemv_swiglu(gu, 768, 7.0, dn_w, dn_s)
-        added = mxfp4_moe(x, ids, wts, a13, s13, a2, s2, 4.0, config=cfg, paired=True, x_packed=pack_moe_x(x), add=y_sh)
-        both = mxfp4_moe(x, ids, wts, a13, s13, a2, s2, 4.0, config=cfg, paired=True, x_packed=pack_moe_x(x), shared=sh)
-        down = mxfp4_moe(x, ids, wts, a13, s13, a2, s2, 4.0, config=cfg, paired=True, x_packed=pack_moe_x(x),
+        added = mxfp4_moe(x, ids, wts, a13, s13, a2, s2, 4.0, config=cfg, paired=True, x_packed=xp, add=y_sh)
+        down = mxfp4_moe(x, ids, wts, a13, s13, a2, s2, 4.0, config=cfg, paired=True, x_packed=xp,
                          shared=sh, shared_gate_up=gu, join=lambda: None)
         want = ref.mxfp4_moe_reference(x, ids, wts, w13, s13, w2, s2, 4.0).float() + y_sh.float()
-        assert rel_err(both, want) < 1e-2 and rel_err(down, want) < 1e-2
-        assert rel_err(both, added) < 2e-3 and rel_err(down, added) < 2e-3
+        assert rel_err(down, want) < 1e-2 and rel_err(down, added) < 2e-3
+        if T == 1:
+            both = mxfp4_moe(x, ids, wts, a13, s13, a2, s2, 4.0, config=cfg, paired=True, x_packed=xp, shared=sh)
+            assert rel_err(both, want) < 1e-2 and rel_err(both, added) < 2e-3
 
 
 @gpu
@@ -656,6 +658,18 @@ _SHARED_SCRIPT = textwrap.dedent("""
         assert rel_err(both, want) < 1e-2 and joined == [1], cfg
         # the shared expert's sums come out as the side stream's do, to the bf16 bit, at this size
         assert torch.equal(both, added) and torch.equal(down, added), cfg
+    # a window of tokens: the down rows in stage 2 from the side stream's gate|up [T, rows]
+    ids3, wts3 = make_routing(3, K, E, 1, gen)
+    x3 = torch.randn(3, H, generator=gen).bfloat16()
+    gu3 = ref.fp8_block_gemv_reference(x3, gu_w, gu_s)
+    y3 = ref.fp8_block_gemv_reference(swiglu(gu3[:, :I].float(), gu3[:, 128:128 + I].float(), 0.5).bfloat16(),
+                                      dn_w, dn_s)
+    cfg3 = dataclasses.replace(base, packed=False, packed_act=False)
+    assert shared_fusable(sh, 3, H, I, cfg3, stage1=False) and not shared_fusable(sh, 3, H, I, cfg3)
+    added3 = mxfp4_moe(x3, ids3, wts3, w13, s13, w2, s2, 0.02, config=cfg3, add=y3)
+    down3 = mxfp4_moe(x3, ids3, wts3, w13, s13, w2, s2, 0.02, config=cfg3, shared=sh, shared_gate_up=gu3,
+                      join=lambda: None)
+    assert torch.equal(down3, added3)
     moved = dataclasses.replace(sh, up=0)  # the gate rows read as up rows: the up offset is used
     assert not torch.equal(mxfp4_moe(x, ids, wts, w13, s13, w2, s2, 0.02, config=base, shared=moved), both)
     assert not shared_fusable(dataclasses.replace(sh, down=dn_w[:, :16].contiguous()), 1, H, I, base)

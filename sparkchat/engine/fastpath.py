@@ -65,14 +65,21 @@ class ExpertsKernel:
 
     def fuses_shared(self, x: torch.Tensor) -> int:
         """0, or how the stages take the shared expert for this input: 1 its down rows (the gate|up GEMV
-        still runs on a side stream, its output passed as `shared_gate_up`), 2 both."""
-        if self.shared_mlp is None or x.shape[0] != 1 or (not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"):
+        still runs on a side stream, its output passed as `shared_gate_up`; any decode window), 2 both
+        (one token)."""
+        T = x.shape[0]
+        on_device = x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+        if self.shared_mlp is None or T > self.MAX_TOKENS or not on_device:
             return 0
         from sparkchat.engine.kernels.mxfp4_moe import shared_fusable
 
         spec = self._shared_expert()
         ex = self.experts
-        return self.shared_mode if spec is not None and shared_fusable(spec, 1, ex.hidden, ex.inter) else 0
+        if spec is None:
+            return 0
+        if self.shared_mode == 2 and shared_fusable(spec, T, ex.hidden, ex.inter):
+            return 2
+        return 1 if shared_fusable(spec, T, ex.hidden, ex.inter, stage1=False) else 0
 
     def _shared_expert(self):
         """The shared MLP's tensors as mxfp4_moe.SharedExpert (None when it is not in the FP8 form)."""
@@ -128,10 +135,10 @@ def side_stream_enabled() -> bool:
 
 
 def shared_in_stages_mode() -> int:
-    """How a one-token MoE layer runs its shared expert, from SPARKCHAT_MOE_SHARED: 0 (the default) as two
-    GEMVs on a side stream, joined before the routed experts' stage 2; 1 its gate|up GEMV on the side
-    stream, its down rows inside stage 2; 2 both inside the routed stages (no side stream). Opt-in until
-    timed on a GPU."""
+    """How a MoE layer runs its shared expert in decode windows, from SPARKCHAT_MOE_SHARED: 0 (the
+    default) as two GEMVs on a side stream, joined before the routed experts' stage 2; 1 its gate|up GEMV
+    on the side stream, its down rows inside stage 2; 2 at one token both inside the routed stages (no
+    side stream), else as 1. Opt-in until timed on a GPU."""
     value = os.environ.get("SPARKCHAT_MOE_SHARED", "0")
     return int(value) if value in ("0", "1", "2") else 0
 

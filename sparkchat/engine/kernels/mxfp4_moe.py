@@ -502,16 +502,16 @@ def mxfp4_moe_stage2_kernel(
     PACKED: tl.constexpr = False, INTERPRET: tl.constexpr = False, PDL: tl.constexpr = False,
     PAIRED: tl.constexpr = False, ACT_PACKED: tl.constexpr = False, PRELOAD: tl.constexpr = False,
     shw_ptr=None, shs_ptr=None, sha_ptr=None, sh_limit=0.0, SHARED: tl.constexpr = 0, SH_BK: tl.constexpr = 0,
-    SH_GU: tl.constexpr = 0,
+    SH_GU: tl.constexpr = 0, SH_ROW: tl.constexpr = 0,
     res_ptr=None, nw_ptr=None, s_out_ptr=None, h_ptr=None, ssq_ptr=None, eps=0.0, h16_ptr=None, hd_ptr=None,
     NORM: tl.constexpr = False, F16: tl.constexpr = False,
 ):
     """With PDL, the expert ids (written by the router, two or more kernels back) and the first step's
     weights are read before pdl_wait: the down weights start streaming during stage 1's tail.
     ACT_PACKED: act_ptr is int32, stage 1's packed act (_store_packed, planes of I/8 words).
-    SHARED > 0 (one token): slots T*K .. T*K + SHARED - 1 run the shared expert's down rows
-    (_shared_down, into part row T*K), which _sum_slots adds after the routed experts' sum; their act is
-    stage 1's (sha_ptr fp32), or with SH_GU > 0 the SwiGLU of a gate|up GEMV's bf16 output at sha_ptr.
+    SHARED > 0: slots T*K .. T*K + SHARED - 1 run the shared expert's down rows (_shared_down, into part
+    rows T*K + t), which _sum_slots adds after the routed experts' sum; their act is stage 1's (sha_ptr
+    fp32, one token), or with SH_GU > 0 the SwiGLU of a gate|up GEMV's bf16 output at sha_ptr [T, SH_ROW].
     NORM: the residual add and the next RMSNorm too (_sum_slots)."""
     nb = tl.program_id(0)  # block of RS*BN output rows
     s = tl.program_id(1)  # slot t*K + k
@@ -520,7 +520,7 @@ def mxfp4_moe_stage2_kernel(
         if s >= T * K:
             BSH: tl.constexpr = RS * BN // SHARED
             _shared_down(sha_ptr, shw_ptr, shs_ptr, part_ptr + T * K * H, nb * (RS * BN) + (s - T * K) * BSH,
-                         sh_limit, I, BSH, SH_BK, SH_GU, PDL, not INTERPRET)
+                         sh_limit, T, H, I, BSH, SH_BK, SH_GU, SH_ROW, PDL, not INTERPRET)
         else:
             _stage2_routed(act_ptr, ids_ptr, w2_ptr, s2_ptr, part_ptr, s, nb, rows, T, K, H, I, BN, RS, BKW, UNROLL,
                            NT, K_PAD, S_PAD, DEDUPE, PREFETCH, PACKED, INTERPRET, PDL, PAIRED, ACT_PACKED, PRELOAD)
@@ -574,7 +574,7 @@ def _sum_slots(part_ptr, cnt_ptr, y_ptr, add_ptr, nb, rows, T: tl.constexpr, K: 
                norm=(), NORM: tl.constexpr = False, F16: tl.constexpr = False, INTERPRET: tl.constexpr = False):
     """Stage 2's end: the last of the T*K (+ SHARED) programs of row block nb (RS tiles of BN rows from
     `rows`) sums the slots' partials in slot order into y bf16, plus the shared expert's output (HAS_ADD:
-    add_ptr; SHARED: part row T*K, from the shared-expert programs), and resets the block's arrival
+    add_ptr; SHARED: part rows T*K + t, from the shared-expert programs), and resets the block's arrival
     counter (this program's stores -> barrier -> release).
     NORM: then the residual add and RMSNorm after the layer, as fp8_gemv's _add_norm_tail does them for
     an output projection: s = bf16(residual + y) and each row tile's sum of squares, and the last row
@@ -592,8 +592,8 @@ def _sum_slots(part_ptr, cnt_ptr, y_ptr, add_ptr, nb, rows, T: tl.constexpr, K: 
                 y = y.to(tl.bfloat16)
                 if HAS_ADD:  # the shared expert's output, added as torch adds two bf16 tensors
                     y = (y.to(tl.float32) + tl.load(add_ptr + t * H + rows + r * BN).to(tl.float32)).to(tl.bfloat16)
-                if SHARED > 0:  # the same add, the shared output already a bf16 value (one token)
-                    sh = tl.load(part_ptr + T * K * H + rows + r * BN, cache_modifier=".cg")
+                if SHARED > 0:  # the same add, the shared output already a bf16 value
+                    sh = tl.load(part_ptr + (T * K + t) * H + rows + r * BN, cache_modifier=".cg")
                     y = (y.to(tl.float32) + sh).to(tl.bfloat16)
                 tl.store(y_ptr + t * H + rows + r * BN, y)
                 if NORM:  # as ops.add_rms_norm rounds: s = bf16(residual + y)
@@ -641,22 +641,34 @@ def _fp8_rows_preload(w_ptr, s_ptr, r0, K: tl.constexpr, BS: tl.constexpr, BK: t
 
 @triton.jit
 def _fp8_rows_dot(ws, ss, x_ptr, K: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr, GU: tl.constexpr = 0,
-                  lim=float("inf")):
-    """The preloaded rows (_fp8_rows_preload) . x [K] (x_ptr, bf16 or fp32) -> fp32 [BS]: each thread sums
-    its own vector's 16 products and scales that sum once, into [BS, BK // 16] accumulators reduced
-    across lanes only at the end. GU > 0: x_ptr holds a gate|up projection's bf16 output, up from column
-    GU, and x is their clamped SwiGLU (limit lim), rounded to bf16 as fp8_block_gemv_swiglu rounds it."""
+                  lim=float("inf"), T: tl.constexpr = 1, XROW: tl.constexpr = 0):
+    """The preloaded rows (_fp8_rows_preload) . x_t [K] for T tokens (x_ptr + t * XROW, bf16 or fp32) ->
+    T fp32 [BS]: each thread sums its own vector's 16 products and scales that sum once, into [BS, BK // 16]
+    accumulators reduced across lanes only at the end; each step's weights are converted once for all
+    tokens (a loop over tokens outside the steps would have the compiler hoist every step's converted
+    weights out of it: 182 registers at T = 2). GU > 0: x_ptr holds a gate|up projection's bf16 output, up
+    from column GU, and x is their clamped SwiGLU (limit lim), rounded to bf16 as fp8_block_gemv_swiglu
+    rounds it."""
     V: tl.constexpr = 16 if BK >= 16 else BK
     cols = tl.arange(0, BK)
-    acc = tl.zeros([BS, BK // V], dtype=tl.float32)
+    accs = ()
+    for t in tl.static_range(T):
+        accs = accs + (tl.zeros([BS, BK // V], dtype=tl.float32),)
     for k in tl.static_range(K // BK):
-        xv = tl.load(x_ptr + k * BK + cols).to(tl.float32)
-        if GU > 0:
-            up = tl.load(x_ptr + GU + k * BK + cols).to(tl.float32)
-            xv = _bf16_round(tl.minimum(xv / (1.0 + tl.exp(-xv)), lim) * tl.minimum(tl.maximum(up, -lim), lim))
-        p = ws[k].to(tl.float32) * xv[None, :]
-        acc += tl.sum(tl.reshape(p, [BS, BK // V, V]), axis=2) * ss[k][None, :]
-    return tl.sum(acc, axis=1)
+        wf = ws[k].to(tl.float32)
+        new = ()
+        for t in tl.static_range(T):
+            xv = tl.load(x_ptr + t * XROW + k * BK + cols).to(tl.float32)
+            if GU > 0:
+                up = tl.load(x_ptr + t * XROW + GU + k * BK + cols).to(tl.float32)
+                xv = _bf16_round(tl.minimum(xv / (1.0 + tl.exp(-xv)), lim) * tl.minimum(tl.maximum(up, -lim), lim))
+            p = tl.sum(tl.reshape(wf * xv[None, :], [BS, BK // V, V]), axis=2)
+            new = new + (accs[t] + p * ss[k][None, :],)
+        accs = new
+    out = ()
+    for t in tl.static_range(T):
+        out = out + (tl.sum(accs[t], axis=1),)
+    return out
 
 
 @triton.jit
@@ -686,26 +698,30 @@ def _shared_gate_up(x_ptr, w_ptr, s_ptr, act_ptr, limit, r0, H: tl.constexpr, UP
     if FENCE:
         _issue_fence()
     pdl_wait(PDL)
-    g = _bf16_round(_fp8_rows_dot(gs, sgs, x_ptr, H, BS, BK))
-    u = _bf16_round(_fp8_rows_dot(us, sus, x_ptr, H, BS, BK))
+    g = _bf16_round(_fp8_rows_dot(gs, sgs, x_ptr, H, BS, BK)[0])
+    u = _bf16_round(_fp8_rows_dot(us, sus, x_ptr, H, BS, BK)[0])
     lim = tl.where(limit > 0, limit, float("inf"))
     a = tl.minimum(g / (1.0 + tl.exp(-g)), lim) * tl.minimum(tl.maximum(u, -lim), lim)
     tl.store(act_ptr + r0 + tl.arange(0, BS), _bf16_round(a))
 
 
 @triton.jit
-def _shared_down(act_ptr, w_ptr, s_ptr, out_ptr, r0, limit, I: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr,
-                 GU: tl.constexpr, PDL: tl.constexpr, FENCE: tl.constexpr):
-    """Stage 2's shared-expert programs: one token's rows [r0, r0 + BS) of the shared expert's FP8 down
-    projection, its weights and scales loaded before the PDL wait, then its act -> out_ptr[r0 : r0 + BS]
-    fp32, holding the bf16 the down GEMV would give (_sum_slots adds it). The act: stage 1's (GU = 0), or
-    (GU > 0: up at column GU) the SwiGLU of the gate|up GEMV's output, made as it is loaded."""
+def _shared_down(act_ptr, w_ptr, s_ptr, out_ptr, r0, limit, T: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
+                 BS: tl.constexpr, BK: tl.constexpr, GU: tl.constexpr, GU_ROW: tl.constexpr, PDL: tl.constexpr,
+                 FENCE: tl.constexpr):
+    """Stage 2's shared-expert programs: rows [r0, r0 + BS) of the shared expert's FP8 down projection, its
+    weights and scales loaded before the PDL wait, then each of the T tokens' act -> out_ptr[t, r0 : r0 +
+    BS] (rows of H) fp32, holding the bf16 the down GEMV would give (_sum_slots adds it). The act: stage
+    1's (GU = 0; one token), or (GU > 0: up at column GU, rows of GU_ROW) the SwiGLU of the gate|up GEMV's
+    output, made as it is loaded."""
     ws, ss = _fp8_rows_preload(w_ptr, s_ptr, r0, I, BS, BK)
     if FENCE:
         _issue_fence()
     pdl_wait(PDL)
     lim = tl.where(limit > 0, limit, float("inf"))
-    tl.store(out_ptr + r0 + tl.arange(0, BS), _bf16_round(_fp8_rows_dot(ws, ss, act_ptr, I, BS, BK, GU, lim)))
+    ys = _fp8_rows_dot(ws, ss, act_ptr, I, BS, BK, GU, lim, T, GU_ROW)
+    for t in tl.static_range(T):
+        tl.store(out_ptr + t * H + r0 + tl.arange(0, BS), _bf16_round(ys[t]))
 
 
 @triton.jit
@@ -802,7 +818,7 @@ def mxfp4_moe_stage2_vec_kernel(
     BN: tl.constexpr, BKW: tl.constexpr, INTERPRET: tl.constexpr = False, PDL: tl.constexpr = False,
     PAIRED: tl.constexpr = False, ACT_PACKED: tl.constexpr = False, FENCE: tl.constexpr = True,
     shw_ptr=None, shs_ptr=None, sha_ptr=None, sh_limit=0.0, SHARED: tl.constexpr = 0, SH_BK: tl.constexpr = 0,
-    SH_GU: tl.constexpr = 0,
+    SH_GU: tl.constexpr = 0, SH_ROW: tl.constexpr = 0,
     res_ptr=None, nw_ptr=None, s_out_ptr=None, h_ptr=None, ssq_ptr=None, eps=0.0, h16_ptr=None, hd_ptr=None,
     NORM: tl.constexpr = False, F16: tl.constexpr = False,
 ):
@@ -816,8 +832,8 @@ def mxfp4_moe_stage2_vec_kernel(
     if SHARED > 0:
         if s >= T * K:
             BSH: tl.constexpr = BN // SHARED
-            _shared_down(sha_ptr, shw_ptr, shs_ptr, part_ptr + T * K * H, nb * BN + (s - T * K) * BSH, sh_limit, I,
-                         BSH, SH_BK, SH_GU, PDL, FENCE and not INTERPRET)
+            _shared_down(sha_ptr, shw_ptr, shs_ptr, part_ptr + T * K * H, nb * BN + (s - T * K) * BSH, sh_limit, T,
+                         H, I, BSH, SH_BK, SH_GU, SH_ROW, PDL, FENCE and not INTERPRET)
         else:
             _stage2_vec_routed(act_ptr, ids_ptr, w2_ptr, s2_ptr, part_ptr, s, rows, H, I, BN, BKW, INTERPRET, PDL,
                                PAIRED, ACT_PACKED, FENCE)
@@ -897,6 +913,7 @@ _VEC1: dict[tuple[int, int, int], dict] = {
 
 
 _SHARED_STAGE1_MAXNREG = 80  # stage 1's register cap when it runs the shared expert's gate|up too
+_SHARED_STAGE2_MAXNREG = 64  # stage 2's, when it runs the shared expert's down for several tokens
 
 
 def moe_config(T: int, H: int, I: int) -> MoeConfig:
@@ -943,7 +960,7 @@ def pack_moe_x(x: torch.Tensor) -> torch.Tensor:
 class MoeWorkspace:
     """Scratch for one mxfp4_moe call shape; reusable across calls and layers (stream-ordered)."""
     act: torch.Tensor  # fp32 [T*K + 1, I]: the slots' act, then the shared expert's (when fused)
-    part: torch.Tensor  # fp32 [T*K + 1, H]: the slots' partial outputs, then the shared expert's
+    part: torch.Tensor  # fp32 [T*K + T, H]: the slots' partial outputs, then the shared expert's
     count: torch.Tensor  # int32 [>= H / bn2], zero between launches
 
 
@@ -952,7 +969,7 @@ def mxfp4_moe_workspace(T: int, K: int, H: int, I: int, device) -> MoeWorkspace:
     a fresh zeroed buffer per call cost a fill kernel per MoE layer."""
     return MoeWorkspace(
         act=torch.empty(T * K + 1, I, dtype=torch.float32, device=device),
-        part=torch.empty(T * K + 1, H, dtype=torch.float32, device=device),
+        part=torch.empty(T * K + T, H, dtype=torch.float32, device=device),
         count=arrival_counters("mxfp4_moe", device, max(1, H // 4)),
     )
 
@@ -1034,12 +1051,12 @@ def mxfp4_moe(
     Pass `out` and `workspace` (mxfp4_moe_workspace) to allocate nothing, e.g. under CUDA graphs.
     `x_packed` (the add+norm kernel writes it): stage 1 reads its bf16x2 words instead of building them
     from x in every program; used where the products are packed, ignored elsewhere.
-    `shared` (one token only; see shared_fusable): the shared expert's output is computed and added by the
+    `shared` (see shared_fusable): the shared expert's output is computed and added by the
     two stages themselves — its gate|up rows by extra stage-1 programs, its down rows by extra stage-2
     programs, each loading its FP8 weights before its PDL wait — instead of by a side stream's two
-    GEMVs joined before stage 2 (`add`, `join`). With `shared_gate_up` (its gate|up GEMV's output, made
-    on a side stream: pass its `join`) only the down rows run in stage 2, which makes their SwiGLU input as
-    it loads it. Same roundings as the shared MLP's kernels.
+    GEMVs joined before stage 2 (`add`, `join`); one token. With `shared_gate_up` (its gate|up GEMV's
+    output [T, rows], made on a side stream: pass its `join`) only the down rows run in stage 2, which makes
+    their SwiGLU input as it loads it; any window. Same roundings as the shared MLP's kernels.
     """
     T, H = x.shape
     E = w13.shape[0]
@@ -1070,16 +1087,18 @@ def mxfp4_moe(
     if use_xp:
         assert x_packed.shape == (T, H) and x_packed.dtype == torch.bfloat16 and x_packed.is_contiguous()
     if shared is not None:
-        assert T == 1 and add is None, "a fused shared expert serves one token, and replaces `add`"
+        assert add is None, "a fused shared expert replaces `add`"
+        assert T == 1 or shared_gate_up is not None, "the shared gate|up inside stage 1 serves one token"
         assert (join is None) == (shared_gate_up is None), "join: the side stream making shared_gate_up"
         why = shared.unsupported(H, inter)
         assert why is None, why
-        assert ws.act.numel() >= (K + 1) * inter and ws.part.numel() >= (K + 1) * H, "room for the shared expert"
+        assert ws.act.numel() >= (T * K + 1) * inter and ws.part.numel() >= (T * K + T) * H, "no room for it"
         if shared_gate_up is not None:
             assert shared_gate_up.dtype == torch.bfloat16 and shared_gate_up.is_contiguous()
-            assert shared_gate_up.shape == (1, shared.gate_up.shape[0])
+            assert shared_gate_up.shape == (T, shared.gate_up.shape[0])
     launch = _plan(T, K, H, inter, cfg, paired, x_packed=use_xp, shared_up=None if shared is None else shared.up,
-                   shared_stage1=shared_gate_up is None)
+                   shared_stage1=shared_gate_up is None,
+                   shared_gate_up_row=0 if shared is None else shared.gate_up.shape[0])
     assert ws.count.dtype == torch.int32 and ws.count.numel() >= launch.grid2[0], "one arrival counter a row block"
     w13_i32, w2_i32 = w13.view(torch.int32), w2.view(torch.int32)
     launch.stage1(x_packed.view(torch.int32) if use_xp else x, topk_ids, topk_weights, w13_i32, w13_scale, ws.act,
@@ -1126,11 +1145,14 @@ def mxfp4_moe_add_norm(
     return s_out, h
 
 
-def shared_fusable(shared: SharedExpert, T: int, H: int, inter: int, config: MoeConfig | None = None) -> bool:
-    """True when mxfp4_moe can run `shared` inside its stages for T tokens of these shapes: one token,
-    and a shared expert whose FP8 weights match the routed experts' shape (Ling-3.0-flash's: I = 768)."""
+def shared_fusable(shared: SharedExpert, T: int, H: int, inter: int, config: MoeConfig | None = None,
+                   stage1: bool = True) -> bool:
+    """True when mxfp4_moe can run `shared` inside its stages for T tokens of these shapes: a shared
+    expert whose FP8 weights match the routed experts' shape (Ling-3.0-flash's: I = 768), and one token
+    where its gate|up runs in stage 1 too (`stage1`), a decode window where only its down does."""
     cfg = config or moe_config(T, H, inter)
-    return T == 1 and shared.unsupported(H, inter) is None and _shared_split(cfg, inter, H) is not None
+    return ((T == 1 or not stage1 and T <= 8) and shared.unsupported(H, inter) is None
+            and _shared_split(cfg, inter, H) is not None)
 
 
 def _shared_split(cfg: MoeConfig, inter: int, H: int) -> tuple[int, int] | None:
@@ -1184,10 +1206,10 @@ class _Plan:
 
 
 def _plan(T: int, K: int, H: int, inter: int, cfg: MoeConfig, paired: bool = False, x_packed: bool = False,
-          shared_up: int | None = None, shared_stage1: bool = True) -> _Plan:
+          shared_up: int | None = None, shared_stage1: bool = True, shared_gate_up_row: int = 0) -> _Plan:
     """shared_up: plan the shared expert's programs too (SharedExpert.up, its up rows' first row): its
     gate|up in stage 1 and down in stage 2, or (shared_stage1 False) only its down, in stage 2, from the
-    gate|up GEMV's output."""
+    gate|up GEMV's output (rows of shared_gate_up_row columns)."""
     dedupe = cfg.dedupe and T > 1
     bn1, bkw1 = _fit(cfg.bn1, inter), max(4, _fit(cfg.bkw1, H // 8))
     bn2, bkw2 = _fit(cfg.bn2, H), max(4, _fit(cfg.bkw2, inter // 8))
@@ -1213,9 +1235,9 @@ def _plan(T: int, K: int, H: int, inter: int, cfg: MoeConfig, paired: bool = Fal
                      PRELOAD=cfg.preload2 and cfg.packed)
     extra1 = extra2 = 0
     meta1.update(SHARED=0, SH_UP=0, SH_BK=0)
-    meta2.update(SHARED=0, SH_BK=0, SH_GU=0)
-    if shared_up is not None:  # the shared expert's programs: extra slots after the routed ones (one token)
-        assert T == 1, "a fused shared expert serves one token"
+    meta2.update(SHARED=0, SH_BK=0, SH_GU=0, SH_ROW=0)
+    if shared_up is not None:  # the shared expert's programs: extra slots after the routed ones
+        assert T == 1 or not shared_stage1, "the shared gate|up inside stage 1 serves one token"
         split = _shared_split(cfg, inter, H)
         assert split is not None, "the stages' row blocks do not divide between shared-expert programs"
         extra1, extra2 = split
@@ -1227,7 +1249,14 @@ def _plan(T: int, K: int, H: int, inter: int, cfg: MoeConfig, paired: bool = Fal
         else:
             extra1 = 0
             assert shared_up > 0, "the up rows follow the gate rows"
-        meta2.update(SHARED=extra2, SH_BK=_fit(256, inter), SH_GU=0 if shared_stage1 else shared_up)
+        # a k step of one 16-byte vector a thread: wider steps keep more of the act (and with several
+        # tokens their SwiGLU inputs) live at once (T = 4, one warp: 164 registers at 256 columns)
+        rows2 = (bn2 if vec2 else bn2 * rs2) // extra2
+        meta2.update(SHARED=extra2, SH_BK=_fit(min(256, max(16, _pow2(16 * 32 * cfg.warps2 // rows2))), inter),
+                     SH_GU=0 if shared_stage1 else shared_up)
+        meta2.update(SH_ROW=0 if shared_stage1 else shared_gate_up_row)
+        if T > 1:  # the shared branch's T accumulators would take the one-warp programs from 64 registers to
+            meta2.setdefault("maxnreg", _SHARED_STAGE2_MAXNREG)  # 128 (sm_90), halving how many fit an SM
     return _Plan(grid1=(T * K + extra1, inter // (bn1 if vec1 else bn1 * rs1)),
                  grid2=(H // (bn2 * rs2), T * K + extra2),
                  meta1=meta1, meta2=meta2, vec1=vec1, vec2=vec2)
