@@ -304,3 +304,57 @@ def test_fla_prefill_switch_and_warm_up_off_the_gpu(monkeypatch):
     said: list[str] = []
     assert not warm_up(32, 128, torch.device("cpu"), torch.float32, said.append)
     assert said == []  # nothing to compile: the load names no slow step
+
+
+def test_install_hands_each_moe_layer_the_norm_after_it(tiny_model_dir, monkeypatch):
+    """SPARKCHAT_MOE_ADD_NORM=1: fastpath.install gives every MoE layer the norm after it (the next layer's
+    input norm; the last layer the final norm) and has the MTP layer's MoE run its final norm; switched
+    off, or without the MoE kernels, none."""
+    from sparkchat.engine import fastpath
+    from sparkchat.engine.nn.moe import MoE
+
+    cfg = ModelConfig.from_dir(tiny_model_dir)
+    model = load_model(tiny_model_dir, cfg, "cpu", torch.bfloat16, 64, quantize_experts=True)
+    layers = list(model.layers)
+    assert any(isinstance(layer.mlp, MoE) for layer in layers) and model.mtp is not None
+    monkeypatch.setenv("SPARKCHAT_MOE_ADD_NORM", "1")
+    fastpath.install(model, linears=False, experts=True, head=False)
+    for i, layer in enumerate(layers):
+        after = layers[i + 1].input_layernorm if i + 1 < len(layers) else model.norm
+        assert layer.next_norm is (after if isinstance(layer.mlp, MoE) else None), i
+    assert model.mtp.fuse_final_norm
+    fastpath.install(model, linears=False, experts=False, head=False)  # the kernels off: the reference path
+    assert all(layer.next_norm is None for layer in layers) and not model.mtp.fuse_final_norm
+    monkeypatch.setenv("SPARKCHAT_MOE_ADD_NORM", "0")
+    fastpath.install(model, linears=False, experts=True, head=False)
+    assert all(layer.next_norm is None for layer in layers) and not model.mtp.fuse_final_norm
+
+
+def test_a_moe_layer_handing_on_its_normed_output_changes_nothing(tiny_model_dir):
+    """The layers' NormedInput hand-over (the MoE does the add and the next norm, here on the reference
+    path) gives the very logits and MTP hidden of the usual add+norm at the next layer's start."""
+    from sparkchat.engine.generate import Decoder
+    from sparkchat.engine.nn.moe import MoE
+
+    cfg = ModelConfig.from_dir(tiny_model_dir)
+    model = load_model(tiny_model_dir, cfg, "cpu", torch.bfloat16, 64, quantize_experts=True)
+    layers = list(model.layers)
+
+    def run():
+        state = ConversationState.allocate(cfg, 64, "cpu", torch.bfloat16)
+        dec = Decoder(model, state)
+        hidden, logits, _ = dec.forward(list(range(5, 17)))
+        dec.commit(list(range(5, 17)))
+        _, step, _ = dec.forward([7])
+        draft = model.draft(torch.tensor([3]), hidden[-1:], 12, state.mtp)
+        return logits, step, draft
+
+    want = run()
+    for i, layer in enumerate(layers):
+        if isinstance(layer.mlp, MoE):
+            layer.next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else model.norm
+    model.mtp.fuse_final_norm = True
+    got = run()
+    assert any(layer.next_norm is not None for layer in layers)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
