@@ -43,9 +43,10 @@ def kernels_unavailable_reason(device: torch.device, dtype: torch.dtype) -> str 
 class ExpertsKernel:
     """Experts.forward's signature, through the MXFP4 MoE kernel for decode/verify windows.
 
-    `shared` (the layer's shared expert, FP8) with `shared_mode` 1 or 2: for one token the routed
-    stages run it too (mxfp4_moe's `shared`), its down projection (1) or both its projections (2);
-    see shared_in_stages_mode."""
+    `shared` (the layer's shared expert, FP8) with `shared_mode` 1 or 2: the routed stages run it too
+    (mxfp4_moe's `shared`), its down projection (1, any decode window) or at one token both its
+    projections (2); see shared_in_stages_mode. `add_norm`: the last launch may also do the residual add
+    and the norm after the layer (fuses_norm)."""
 
     MAX_TOKENS = 8
 
@@ -87,7 +88,7 @@ class ExpertsKernel:
 
         mlp = self.shared_mlp
         fused, down = mlp.fused, mlp.down_proj
-        if fused is None or not (fused.is_fp8 and down.is_fp8) or fused.block != (128, 128) or down.block != (128, 128):
+        if fused is None or not (fused.is_fp8 and down.is_fp8) or (fused.block, down.block) != ((128, 128),) * 2:
             return None
         if self._shared is None or self._shared.gate_up is not fused.weight or self._shared.down is not down.weight:
             self._shared = SharedExpert(fused.weight, fused.weight_scale_inv, fused.offsets[1], down.weight,
@@ -306,8 +307,8 @@ def install(model, *, linears: bool, experts: bool, head: bool) -> None:
     layers = list(getattr(model, "layers", ()))
     for i, layer in enumerate(layers):
         nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else getattr(model, "norm", None)
-        takes = isinstance(layer.mlp, MoE) and layer.mlp.fast_experts is not None and layer.mlp.fast_experts.add_norm
-        layer.next_norm = nxt if takes else None
+        fast = layer.mlp.fast_experts if isinstance(layer.mlp, MoE) else None
+        layer.next_norm = nxt if fast is not None and fast.add_norm else None
     mtp = getattr(model, "mtp", None)
     if mtp is not None:
         mtp.fuse_final_norm = mtp.mlp.fast_experts is not None and mtp.mlp.fast_experts.add_norm
