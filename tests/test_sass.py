@@ -183,3 +183,18 @@ def test_prompt_gemm_compiles_for_the_spark_without_spills(M):
     assert spark.metadata.shared <= 101376 and s.stack_frame(spark, "fp8_block_gemm_kernel") == 0, cfg
     hopper, _ = s.prompt_gemm(90, M)
     assert "wgmma" in hopper.asm["ptx"]
+
+
+@pytest.mark.parametrize("evict_last, op", [(True, "CCTL.E.PML2"), (False, "CCTL.E.PF2")])
+def test_l2_prefetch_is_one_prefetch_per_line_and_nothing_else(evict_last, op):
+    """Each thread issues its lines' L2 prefetches (8 at 4 warps) and no load or store: nothing is held
+    in registers, so the kernel ends as soon as they are issued. Compiles for the Spark's sm_121 too."""
+    s = _tools()
+    from sparkchat.engine.kernels.l2_prefetch import LINES_PER_PROGRAM, l2_prefetch_kernel
+
+    consts = {"LINES": LINES_PER_PROGRAM, "EVICT_LAST": evict_last}
+    s.compile_kernel(l2_prefetch_kernel, {"ptr": "*u8", "nbytes": "i64"}, consts, 4, 121)
+    sass = s.compile_sass(l2_prefetch_kernel, {"ptr": "*u8", "nbytes": "i64"}, consts, 4, 90)
+    assert sum(i.startswith(op) for i in sass) == LINES_PER_PROGRAM // 128
+    ops = {s._op(i) for i in sass}
+    assert not ops & {"LDG", "STG", "LDS", "STS"}, ops

@@ -187,6 +187,45 @@ def side_stream(device: torch.device) -> torch.cuda.Stream:
     return _SIDE_STREAMS[device]
 
 
+def l2_prefetch_setting() -> tuple[int, str, bool]:
+    """SPARKCHAT_L2_PREFETCH=<MB> (0, the default: off): each layer warms L2 with that much of the next
+    layer's input projection weights (kernels/l2_prefetch.py), from the point SPARKCHAT_L2_PREFETCH_AT
+    names: `moe` (after the MoE's input norm: beside the router, top-k and stages) or `attn` (after the
+    attention's core: beside its output projection as well). SPARKCHAT_L2_PREFETCH_EVICT=normal marks
+    the lines as any others (default: evict_last). Opt-in until timed. -> (bytes, point, evict_last)"""
+    mb = float(os.environ.get("SPARKCHAT_L2_PREFETCH", "0") or 0)
+    at = "attn" if os.environ.get("SPARKCHAT_L2_PREFETCH_AT") == "attn" else "moe"
+    return int(mb * 2**20), at, os.environ.get("SPARKCHAT_L2_PREFETCH_EVICT", "last") != "normal"
+
+
+_PREFETCH_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _prefetcher(weight: torch.Tensor, nbytes: int, evict_last: bool) -> Callable[[], Callable[[], None]]:
+    """A callable that starts prefetching `weight` on the prefetch stream and returns the join."""
+    from sparkchat.engine.kernels.l2_prefetch import l2_prefetch
+    from sparkchat.engine.streams import fork
+
+    if weight.device not in _PREFETCH_STREAMS:  # its own stream: the shared expert's must not wait for it
+        _PREFETCH_STREAMS[weight.device] = torch.cuda.Stream(weight.device)
+    stream = _PREFETCH_STREAMS[weight.device]
+
+    def start() -> Callable[[], None]:
+        _, join = fork(stream, lambda: l2_prefetch(weight, nbytes, evict_last=evict_last))
+        return join
+
+    return start
+
+
+def _install_prefetch(layers: list, linears: bool) -> None:
+    nbytes, at, evict_last = l2_prefetch_setting()
+    for i, layer in enumerate(layers):
+        layer.prefetch, layer.prefetch_at = None, at
+        nxt = getattr(layers[i + 1].attention, "fused", None) if i + 1 < len(layers) else None
+        if linears and nbytes > 0 and nxt is not None and nxt.weight.is_cuda and nxt.weight.is_contiguous():
+            layer.prefetch = _prefetcher(nxt.weight, nbytes, evict_last)
+
+
 def _fp8_gemv() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
     from sparkchat.engine.kernels.fp8_gemv import fp8_block_gemv
 
@@ -309,6 +348,7 @@ def install(model, *, linears: bool, experts: bool, head: bool) -> None:
         nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else getattr(model, "norm", None)
         fast = layer.mlp.fast_experts if isinstance(layer.mlp, MoE) else None
         layer.next_norm = nxt if fast is not None and fast.add_norm else None
+    _install_prefetch(layers, linears)
     mtp = getattr(model, "mtp", None)
     if mtp is not None:
         mtp.fuse_final_norm = mtp.mlp.fast_experts is not None and mtp.mlp.fast_experts.add_norm

@@ -6,6 +6,8 @@ Batch size is always 1: activations are [T, H] for T new tokens at positions sta
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -54,6 +56,10 @@ class DecoderLayer(nn.Module):
         # the norm after this layer (the next one's input norm, or the final norm), when this layer's MoE
         # runs the residual add and that norm in its last launch (set by fastpath.install)
         self.next_norm: RMSNorm | None = None
+        # set by fastpath.install (SPARKCHAT_L2_PREFETCH): starts warming L2 with the next layer's input
+        # projection on a stream of its own and returns the join; called where prefetch_at says
+        self.prefetch: Callable[[], Callable[[], None]] | None = None
+        self.prefetch_at = "moe"
 
     def forward(self, x: torch.Tensor, pending: torch.Tensor | NormedInput | None, span: Span,
                 state: ConversationState, rotary: RotaryEmbedding,
@@ -67,6 +73,7 @@ class DecoderLayer(nn.Module):
         else:
             x, h = norm_in.add_norm(x, pending)
         steps = None
+        join = self.prefetch() if self.prefetch is not None and self.prefetch_at == "attn" else None
         if self.is_mla:
             o = self.attention(h, span, state.mla[self.idx], rotary, absorbed=x.shape[0] <= 8, project_out=False)
         else:
@@ -75,10 +82,16 @@ class DecoderLayer(nn.Module):
                                       project_out=False)
         post = self.post_attention_layernorm
         x, h = project_add_norm(self.attention.out_proj, o, x, post.weight, post.eps)
+        if self.prefetch is not None and self.prefetch_at == "moe":  # beside the MoE's latency-bound chain
+            join = self.prefetch()
         if self.next_norm is not None:  # the MoE's last launch adds its output and runs the next norm
             x, h_next = self.mlp(h, add_norm=(x, self.next_norm))
-            return x, NormedInput(h_next, self.next_norm), steps
-        return x, self.mlp(h), steps
+            out = NormedInput(h_next, self.next_norm)
+        else:
+            out = self.mlp(h)
+        if join is not None:  # long done by now (it only issues prefetches); a graph needs the edge back
+            join()
+        return x, out, steps
 
 
 class MTPLayer(nn.Module):
