@@ -149,7 +149,8 @@ def moe_bytes(routes, T: int) -> float:
 def bench_moe(rec: Recorder, layer, sweep: bool) -> dict:
     from sparkchat.engine.kernels import reference as ref
     from sparkchat.engine.kernels.mxfp4_layout import permute_words_
-    from sparkchat.engine.kernels.mxfp4_moe import MoeConfig, _plan, moe_config, mxfp4_moe, mxfp4_moe_workspace
+    from sparkchat.engine.kernels.mxfp4_moe import (MoeConfig, _plan, moe_config, mxfp4_moe, mxfp4_moe_workspace,
+                                                    pack_moe_x)
     w13, s13, w2, s2 = layer
     # the engine's layout (kernels/mxfp4_layout.py): every config runs on paired words, the default also
     # on the checkpoint's
@@ -161,21 +162,25 @@ def bench_moe(rec: Recorder, layer, sweep: bool) -> dict:
         routes = routings(T, calls, repeat, seed=T * 100 + repeat)
         nbytes, uniq = moe_bytes(routes, T)
         xs = [torch.randn(T, H, device="cuda").bfloat16() for _ in routes]
+        # packed configs read x as the step's add+norm kernel writes it (planes), not packed in each program
+        xps = [pack_moe_x(x) for x in xs]
         outs = [torch.empty(T, H, device="cuda", dtype=torch.bfloat16) for _ in routes]
         ws = mxfp4_moe_workspace(T, K, H, INTER, "cuda")
         results = []
         want = ref.mxfp4_moe_reference(xs[0], routes[0][0], routes[0][1], w13, s13, w2, s2, 4.0)
         for cfg, paired in cfgs:
             a13, a2 = (p13, p2) if paired else (w13, w2)
+            xp = xps if cfg.packed else [None] * len(xs)
             got = mxfp4_moe(xs[0], routes[0][0], routes[0][1], a13, s13, a2, s2, 4.0, workspace=ws, config=cfg,
-                            paired=paired)
+                            paired=paired, x_packed=xp[0])
             err = ((got.float() - want.float()).norm() / want.float().norm()).item()
             assert err < 1e-2, f"mxfp4_moe {label} {cfg} paired={paired}: relative error {err}"
-            plan = _plan(T, K, H, INTER, cfg, paired)
+            plan = _plan(T, K, H, INTER, cfg, paired, x_packed=cfg.packed)
             full = [lambda i=i, r=r: mxfp4_moe(xs[i], r[0], r[1], a13, s13, a2, s2, 4.0, out=outs[i], workspace=ws,
-                                               config=cfg, paired=paired) for i, r in enumerate(routes)]
+                                               config=cfg, paired=paired, x_packed=xp[i]) for i, r in enumerate(routes)]
             us = graph_us(full)
-            s1 = graph_us([lambda i=i, r=r: plan.stage1(xs[i], r[0], r[1], a13.view(torch.int32), s13, ws.act, 4.0)
+            x1 = [x.view(torch.int32) for x in xps] if cfg.packed else xs
+            s1 = graph_us([lambda i=i, r=r: plan.stage1(x1[i], r[0], r[1], a13.view(torch.int32), s13, ws.act, 4.0)
                            for i, r in enumerate(routes)])
             s2us = graph_us([lambda i=i, r=r: plan.stage2(ws.act, r[0], a2.view(torch.int32), s2, ws.part, ws.count,
                                                           outs[i]) for i, r in enumerate(routes)])
@@ -197,8 +202,9 @@ def bench_moe(rec: Recorder, layer, sweep: bool) -> dict:
             rec.add(f"baseline dequant+bf16 bmm {label}", b_us, nbytes, speedup_of_kernel=round(b_us / us, 2))
         return row
 
-    d = moe_config(1, H, INTER)
-    c1 = [d, replace(d, packed=not d.packed),  # the bf16x2 products (packed) against fp32 FMAs
+    d = moe_config(1, H, INTER, vec=0)  # the word-load stages, which the variants below vary
+    c1 = [moe_config(1, H, INTER), d,  # the default (16-byte-load stages), then the word-load ones
+          replace(d, packed=not d.packed),  # the bf16x2 products (packed) against fp32 FMAs
           replace(d, packed=True, bn1=8, warps1=2, bn2=16, warps2=2),
           replace(d, packed=True, bkw1=32, unroll1=2, bn1=32, warps1=4, bkw2=32, bn2=32, warps2=4),
           replace(d, packed=True, bn1=8, rs1=2, bkw1=64, warps1=4, bn2=32, rs2=1, bkw2=16, warps2=4),
@@ -228,8 +234,8 @@ def bench_moe(rec: Recorder, layer, sweep: bool) -> dict:
     # sweep candidates serve one token per program (T=1, or no dedupe): bf16x2 products, as the engine runs them
     c1 = c1[:listed] + [replace(c, packed=True, packed_act=d.packed_act) for c in c1[listed:]]
     case(1, 0, 16, "T=1 (8 experts)", c1, baseline=True)
-    d4 = moe_config(4, H, INTER)
-    c4 = [d4, replace(d4, packed=not d4.packed), MoeConfig(dedupe=False, prefetch=True),
+    d4 = moe_config(4, H, INTER, vec=0)
+    c4 = [moe_config(4, H, INTER), d4, replace(d4, packed=not d4.packed), MoeConfig(dedupe=False, prefetch=True),
           MoeConfig(rs1=1, rs2=1, dedupe=True), replace(d4, packed_act=not d4.packed_act),
           # each slot's loads up front, as at one token: 40 words a thread in stage 1, 24 in stage 2
           replace(d4, preload2=True),

@@ -108,7 +108,7 @@ def moe_loop(T: int, stage: int, packed: bool, arch: int, paired: bool = False,
     the tuned config for T tokens, products packed (bf16x2) or not, words in checkpoint or paired order."""
     from sparkchat.engine.kernels import mxfp4_moe as m
 
-    base = m.moe_config(T, H, INTER)
+    base = m.moe_config(T, H, INTER, vec=0)
     cfg = replace(base, packed=packed, dedupe=base.dedupe and not packed, packed_act=packed_act,
                   preload1=False, preload2=False)  # the k loops (a preloaded stage has none)
     plan = m._plan(T, K, H, INTER, cfg, paired, x_packed=packed_x)
@@ -158,7 +158,7 @@ def moe_loads_before_wait(stage: int, preload: bool, arch: int = 90) -> tuple[in
     The wait, griddepcontrol.wait, is ACQBULK in sm_90 SASS."""
     from sparkchat.engine.kernels import mxfp4_moe as m
 
-    cfg = replace(m.moe_config(1, H, INTER), preload1=preload, preload2=preload)
+    cfg = replace(m.moe_config(1, H, INTER, vec=0), preload1=preload, preload2=preload)
     _, sass, _ = _moe_stage(cfg, stage, arch)
     if sass is None:
         return None
@@ -211,9 +211,10 @@ def mma_gemv(arch: int) -> tuple[object, float]:
     return compile_kernel(g.fp8_mma_kernel, _GEMV_SIG, cx, cfg.warps, arch), cfg.bn * cfg.bk / (32 * cfg.warps)
 
 
-def fma_gemv(arch: int, T: int, N: int, K: int, cfg=None) -> tuple[object, float]:
+def fma_gemv(arch: int, T: int, N: int, K: int, cfg=None, split_norm: int = 0) -> tuple[object, float]:
     """The FMA GEMV (fp8_gemv_kernel, block scales, bf16 out) for T tokens at N x K with cfg (default:
-    what the engine picks): (the compiled kernel, weights a thread streams per k step)."""
+    what the engine picks): (the compiled kernel, weights a thread streams per k step). split_norm: x is
+    a split RMSNorm's input with that many sums of squares a token (fp8_block_gemv's split_norm)."""
     from sparkchat.engine.kernels import fp8_gemv as g
 
     cfg = cfg or g.gemv_config("block", T, N, K)
@@ -222,7 +223,12 @@ def fma_gemv(arch: int, T: int, N: int, K: int, cfg=None) -> tuple[object, float
     cx = dict(T=T, N=N, K=K, BN=cfg.bn, RS=cfg.rs, BK=bk, UNROLL=cfg.unroll, SCALE=0, OUT=0 if split == 1 else 3,
               SPLIT=split, PREFETCH=cfg.prefetch, ROW_ACC=cfg.row_acc, XS=0, XU=0, X_SWIGLU=False, PDL=True,
               KACC=g._kacc(cfg, bk))
-    return compile_kernel(g.fp8_gemv_kernel, _GEMV_SIG, cx, cfg.warps, arch), cfg.bn * cfg.rs * bk / (32 * cfg.warps)
+    sig = _GEMV_SIG
+    cx.update(XN_NSQ=0, XN_NSQP=1)
+    if split_norm:
+        sig = dict(sig, xn_ssq_ptr="*fp32", xn_w_ptr="*bf16", xn_h_ptr="*bf16", xn_eps="fp32")
+        cx.update(XN_NSQ=split_norm, XN_NSQP=g._pow2(split_norm))
+    return compile_kernel(g.fp8_gemv_kernel, sig, cx, cfg.warps, arch), cfg.bn * cfg.rs * bk / (32 * cfg.warps)
 
 
 MLA_SPLIT_SIG = {k: "*bf16" for k in ("ql_ptr", "qr_ptr", "c_ptr", "kr_ptr")}
@@ -305,7 +311,7 @@ def moe_shared_report(arch: int) -> None:
     them (1: its down in stage 2; 2: both projections)."""
     from sparkchat.engine.kernels import mxfp4_moe as m
 
-    tuned = m.moe_config(1, H, INTER)
+    tuned = m.moe_config(1, H, INTER, vec=0)
     vec = replace(tuned, vec1=True, vec2=True, **m._VEC1[(1, H, INTER)])
     for label, cfg in (("tuned", tuned), ("vec", vec)):
         for stage in (1, 2):

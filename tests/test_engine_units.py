@@ -358,3 +358,48 @@ def test_a_moe_layer_handing_on_its_normed_output_changes_nothing(tiny_model_dir
     assert any(layer.next_norm is not None for layer in layers)
     for a, b in zip(got, want):
         assert torch.equal(a, b)
+
+
+def test_leaving_the_shared_expert_to_the_next_norm_changes_nothing(tiny_model_dir):
+    """MoE.late_shared_add (SPARKCHAT_SHARED_ADD_LATE): a decode window's MoE output goes on as a
+    PendingSum, its shared part added by the next norm's add+norm (here on the reference path); the
+    logits, decode step and MTP draft are those of the routed experts adding it themselves, bit for bit."""
+    from sparkchat.engine.generate import Decoder
+    from sparkchat.engine.nn import norm
+    from sparkchat.engine.nn.moe import MoE
+
+    cfg = ModelConfig.from_dir(tiny_model_dir)
+    model = load_model(tiny_model_dir, cfg, "cpu", torch.bfloat16, 64, quantize_experts=True)
+    moes = [m for m in model.modules() if isinstance(m, MoE) and m.shared_experts is not None]
+    assert moes
+    for m in moes:  # the fast experts' contract, on the reference experts: `add` summed as torch sums it
+        m.fast_experts = (lambda ex: lambda x, ids, w, add=None, join=None: (
+            ex(x, ids, w) if add is None else ex(x, ids, w) + add))(m.experts)
+    handed_on = []
+    original = norm.RMSNorm.add_norm
+
+    def counting(self, x, pending):
+        handed_on.append(isinstance(pending, norm.PendingSum))
+        return original(self, x, pending)
+
+    def run():
+        state = ConversationState.allocate(cfg, 64, "cpu", torch.bfloat16)
+        dec = Decoder(model, state)
+        hidden, logits, _ = dec.forward(list(range(5, 17)))
+        dec.commit(list(range(5, 17)))
+        _, step, _ = dec.forward([7])
+        _, verify, _ = dec.forward([7, 9, 11])
+        draft = model.draft(torch.tensor([3]), hidden[-1:], 12, state.mtp)
+        return logits, step, verify, draft
+
+    want = run()
+    for m in moes:
+        m.late_shared_add = True
+    norm.RMSNorm.add_norm = counting
+    try:
+        got = run()
+    finally:
+        norm.RMSNorm.add_norm = original
+    assert any(handed_on) and not all(handed_on)  # decode windows hand on a PendingSum, the prompt does not
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)

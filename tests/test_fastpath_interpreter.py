@@ -41,8 +41,12 @@ prompt_rows = []
 def counted_gemm(x, w, s):
     prompt_rows.append(x.shape[0])
     return gemm(x, w, s)
+split_reads = []
+def counted_gemv(x, w, s):
+    split_reads.append(hasattr(x, "split_norm"))
+    return gemv(x, w, s)
 for lin in model.linears():
-    lin.fast = gemv if lin.is_fp8 else None
+    lin.fast = counted_gemv if lin.is_fp8 else None
     lin.fast_prompt = counted_gemm if lin.is_fp8 else None
 from sparkchat.engine.kernels.kda_decode import kda_decode
 from sparkchat.engine.kernels.mla_decode import mla_decode_step
@@ -50,16 +54,17 @@ from sparkchat.engine.nn.kda import KimiDeltaAttention
 from sparkchat.engine.nn.mla import MultiLatentAttention
 from sparkchat.engine.kernels.fp8_gemv import add_rms_norm, fp8_block_gemv_add_norm, fp8_block_gemv_swiglu
 from sparkchat.engine.nn.norm import RMSNorm
-calls, packed_x, in_stages, normed = [], [], [], []
+calls, packed_x, in_stages, normed, late_adds = [], [], [], [], []
 class CountingExperts(fastpath.ExpertsKernel):
     def __call__(self, x, *args, **kw):
         packed_x.append(hasattr(x, "moe_x"))
         in_stages.append(kw.get("shared", False))
         normed.append(kw.get("norm") is not None)
         return super().__call__(x, *args, **kw)
-def counted_add_norm(*args):
+def counted_add_norm(*args, **kw):
     calls.append(args[0].shape[0])
-    return add_rms_norm(*args)
+    late_adds.append(kw.get("add") is not None)
+    return add_rms_norm(*args, **kw)
 for m in model.modules():
     if isinstance(m, RMSNorm):
         m.fast_add = counted_add_norm
@@ -71,9 +76,12 @@ for m in model.modules():
         # every other MoE layer runs its shared expert inside the routed stages (SPARKCHAT_MOE_SHARED=2)
         moe_layers = getattr(model, "_moe_seen", 0)
         model._moe_seen = moe_layers + 1
-        # and all but every third one adds its output and runs the next norm in stage 2 (SPARKCHAT_MOE_ADD_NORM=1)
+        # every third one adds its output and runs the next norm in stage 2 (SPARKCHAT_MOE_ADD_NORM=1)
+        # (the first leaves the norm's second half to the next layer's input projection: mode 2)
         m.fast_experts = CountingExperts(m.experts, m.shared_experts, 2 if moe_layers % 2 else 0,
-                                         add_norm=moe_layers % 3 != 1)
+                                         add_norm=(2 if moe_layers == 0 else 1) if moe_layers % 3 == 0 else 0)
+        # the third leaves its shared expert's output to the next norm's add (SPARKCHAT_SHARED_ADD_LATE=1)
+        m.late_shared_add = moe_layers == 2
         m.experts.use_paired_words()  # as install() does on a GPU: the kernels read the paired word order
     elif isinstance(m, KimiDeltaAttention):
         m.fast_core = kda_decode
@@ -83,6 +91,7 @@ for i, layer in enumerate(model.layers):  # as install() does with SPARKCHAT_MOE
     nxt = model.layers[i + 1].input_layernorm if i + 1 < len(model.layers) else model.norm
     fe = getattr(layer.mlp, "fast_experts", None)
     layer.next_norm = nxt if fe is not None and fe.add_norm else None
+    nxt.split_ok = fe is not None and fe.add_norm == 2 and i + 1 < len(model.layers)
 import functools
 for layer in model.layers:  # as install() does with SPARKCHAT_MOE_X_PACKED=1
     if isinstance(layer.mlp, moe.MoE):
@@ -108,6 +117,8 @@ assert all(m.experts.paired for m in model.modules() if isinstance(m, moe.MoE))
 assert any(packed_x), packed_x  # decode steps' MoE layers got their input packed by the norm before
 assert any(in_stages) and not all(in_stages), in_stages  # decode steps: shared experts in the stages and beside
 assert any(normed) and not all(normed), normed  # decode steps: the next norm in stage 2 and in its own kernel
+assert any(late_adds), late_adds  # a shared expert's output added by the next layer's add+norm
+assert any(split_reads), split_reads  # a layer's input projection finishing its input norm
 print("ok", rel)
 """
 

@@ -197,10 +197,10 @@ def test_mxfp4_moe_tuned_one_token_preloaded_gpu(paired, monkeypatch):
     gen = torch.Generator().manual_seed(7)
     w13, s13, w2, s2 = make_experts(16, 2560, 768, "cuda", gen)
     a13, a2 = (permute_words_(w13.clone()), permute_words_(w2.clone())) if paired else (w13, w2)
-    preloaded = moe_config(1, 2560, 768)
+    preloaded = moe_config(1, 2560, 768, vec=0)  # the word-load stages (the default loads 16 bytes)
     assert preloaded.preload1 and preloaded.preload2
     monkeypatch.setenv("SPARKCHAT_MOE_PRELOAD", "0")
-    looped = moe_config(1, 2560, 768)
+    looped = moe_config(1, 2560, 768, vec=0)
     assert not (looped.preload1 or looped.preload2)
     for _ in range(3):
         ids, wts = make_routing(1, 8, 16, 0, gen)
@@ -229,7 +229,7 @@ def test_mxfp4_moe_vectorized_stages_gpu(T, vec2):
     gen = torch.Generator().manual_seed(11)
     w13, s13, w2, s2 = make_experts(40, 2560, 768, "cuda", gen)
     a13, a2 = permute_words_(w13.clone()), permute_words_(w2.clone())
-    tuned = moe_config(T, 2560, 768)
+    tuned = moe_config(T, 2560, 768, vec=0)
     vec = replace(tuned, vec1=True, bn1=16 if T == 1 else 4, bkw1=64, warps1=8 if T == 1 else 2, maxnreg1=80,
                   vec2=vec2)
     for _ in range(2):
@@ -259,7 +259,7 @@ def test_mxfp4_moe_shared_expert_in_the_stages_gpu(T, vec):
     gu_w, gu_s = make_fp8(1536, 2560, "cuda", gen)
     dn_w, dn_s = make_fp8(2560, 768, "cuda", gen)
     sh = SharedExpert(gu_w, gu_s, 768, dn_w, dn_s, 7.0)
-    cfg = moe_config(T, 2560, 768)
+    cfg = moe_config(T, 2560, 768, vec=0)
     if vec:
         cfg = replace(cfg, vec1=True, vec2=True, **_VEC1[(T, 2560, 768)])
     for _ in range(3):
@@ -374,6 +374,34 @@ def test_fused_add_norm_matches_two_launches_gpu(T, monkeypatch):
 
 
 @gpu
+def test_next_projection_finishing_the_moe_norm_gpu():
+    """SPARKCHAT_MOE_ADD_NORM=2 at the Ling shapes, the engine's configs: stage 2 writes s and its sums of
+    squares, KDA's fused input projection (20480 rows) finishes the norm as it loads s, against the MoE
+    with the whole norm in stage 2 and the GEMV reading its h."""
+    from sparkchat.engine.kernels.fp8_gemv import SplitNorm, fp8_block_gemv
+    from sparkchat.engine.kernels.mxfp4_layout import permute_words_
+    from sparkchat.engine.kernels.mxfp4_moe import mxfp4_moe_add_norm, mxfp4_moe_add_sumsq, pack_moe_x
+    gen = torch.Generator().manual_seed(19)
+    w13, s13, w2, s2 = make_experts(40, 2560, 768, "cuda", gen)
+    a13, a2 = permute_words_(w13.clone()), permute_words_(w2.clone())
+    w, si = make_fp8(20480, 2560, "cuda", gen)
+    nw = (torch.rand(2560, generator=gen) + 0.5).bfloat16().cuda()
+    for _ in range(3):
+        ids, wts = (t.cuda() for t in make_routing(1, 8, 40, 0, gen))
+        x = torch.randn(1, 2560, generator=gen).bfloat16().cuda()
+        res = (torch.randn(1, 2560, generator=gen) * 3).bfloat16().cuda()
+        kw = dict(paired=True, x_packed=pack_moe_x(x))
+        s_full, h_full = mxfp4_moe_add_norm(x, ids, wts, a13, s13, a2, s2, 4.0, res, nw, 1e-6, **kw)
+        s, ssq = mxfp4_moe_add_sumsq(x, ids, wts, a13, s13, a2, s2, 4.0, res, **kw)
+        assert torch.equal(s, s_full)
+        h = torch.full_like(s, float("nan"))
+        got = fp8_block_gemv(h, w, si, split_norm=SplitNorm(s, ssq, nw, 1e-6))
+        assert (h == h_full).float().mean().item() > 0.99 and rel_err(h, h_full) < 1e-2
+        assert torch.equal(got, fp8_block_gemv(h.clone(), w, si))  # the GEMV read the h it wrote
+        assert rel_err(got, fp8_block_gemv(h_full, w, si)) < 1e-2
+
+
+@gpu
 @pytest.mark.parametrize("T,N", [(1, 2560), (4, 2560), (5, 2560), (3, 200)])
 def test_add_rms_norm_gpu(T, N):
     """The residual add + RMSNorm kernel against ops.add_rms_norm: the sum is exact, the norm within one
@@ -389,6 +417,11 @@ def test_add_rms_norm_gpu(T, N):
     assert torch.equal(s_got, s_ref)
     assert (n_got == n_ref).float().mean().item() > 0.99 and rel_err(n_got, n_ref) < 1e-2
     assert not torch.equal(add_rms_norm(x, h, nw * 1.01, 1e-6)[1], n_got)  # the weight is applied
+    # a MoE's shared expert output added in the same launch: as adding it first (bf16 + bf16), bit for bit
+    a = torch.randn(T, N, generator=gen).bfloat16().cuda()
+    s_add, n_add = add_rms_norm(x, h, nw, 1e-6, add=a)
+    s_two, n_two = add_rms_norm(x, h + a, nw, 1e-6)
+    assert torch.equal(s_add, s_two) and torch.equal(n_add, n_two) and not torch.equal(s_add, s_got)
 
 
 @gpu
@@ -595,6 +628,33 @@ def test_kernels_under_triton_interpreter():
     _run_interpreted(_INTERPRET_SCRIPT)
 
 
+_ADD_NORM_ADD_SCRIPT = textwrap.dedent("""
+    import torch
+    from sparkchat.engine.kernels.fp8_gemv import add_rms_norm
+    from sparkchat.engine.nn.ops import add_rms_norm as reference
+    gen = torch.Generator().manual_seed(4)
+    for T, N in ((1, 256), (3, 200)):
+        x = (torch.randn(T, N, generator=gen) * 3).bfloat16()
+        h, a = torch.randn(T, N, generator=gen).bfloat16(), torch.randn(T, N, generator=gen).bfloat16()
+        nw = (torch.rand(N, generator=gen) + 0.5).bfloat16()
+        s_got, n_got = add_rms_norm(x, h, nw, 1e-6, add=a)
+        s_ref, n_ref = reference(x, h + a, nw, 1e-6)
+        # within a bf16 rounding of the torch op (the interpreter's bf16 casts round otherwise than torch's;
+        # on the GPU, test_add_rms_norm_gpu checks the add bit for bit)
+        for got, ref in ((s_got, s_ref), (n_got, n_ref)):
+            assert ((got.float() - ref.float()).norm() / ref.float().norm()).item() < 1e-2
+        s_without, _ = add_rms_norm(x, h, nw, 1e-6)
+        assert (s_got.float() - s_without.float()).abs().max().item() > 0.5  # the add is there
+    print("interpreter ok")
+""")
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+def test_add_norm_adding_a_second_output_under_triton_interpreter():
+    """add_rms_norm's `add` (the shared expert's output, SPARKCHAT_SHARED_ADD_LATE) is the add done first."""
+    _run_interpreted(_ADD_NORM_ADD_SCRIPT)
+
+
 _MOE_X_SCRIPT = textwrap.dedent("""
     import torch
     from sparkchat.engine.kernels import reference as ref
@@ -722,6 +782,48 @@ _MOE_NORM_SCRIPT = textwrap.dedent("""
     assert torch.equal(s_got, add_rms_norm(res[:1], y, nw, 1e-6)[0])
     print("interpreter ok")
 """)
+
+
+_SPLIT_NORM_SCRIPT = textwrap.dedent("""
+    import torch
+    from sparkchat.engine.kernels.fp8_gemv import GemvConfig, SplitNorm, fp8_block_gemv
+    from sparkchat.engine.kernels.mxfp4_moe import MoeConfig, mxfp4_moe_add_norm, mxfp4_moe_add_sumsq
+    from tests.test_kernels import make_experts, make_fp8, make_routing
+    gen = torch.Generator().manual_seed(2)
+    H, I, E, K, N = 256, 32, 6, 4, 64
+    w13, s13, w2, s2 = make_experts(E, H, I, gen=gen)
+    w, si = make_fp8(N, H, gen=gen)
+    nw = (torch.rand(H, generator=gen) + 0.5).bfloat16()
+    cfg = MoeConfig(bn1=8, rs1=1, bkw1=4, bn2=16, rs2=2, bkw2=4, dedupe=False, packed=True, packed_act=True)
+    ids, wts = make_routing(1, K, E, 0, gen)
+    x = torch.randn(1, H, generator=gen).bfloat16()
+    res = (torch.randn(1, H, generator=gen) * 2).bfloat16()
+    s_full, h_full = mxfp4_moe_add_norm(x, ids, wts, w13, s13, w2, s2, 0.02, res, nw, 1e-6, config=cfg)
+    s, ssq = mxfp4_moe_add_sumsq(x, ids, wts, w13, s13, w2, s2, 0.02, res, config=cfg)
+    assert torch.equal(s, s_full) and ssq.shape == (1, H // 16)  # one sum of squares a 16-row tile
+    split = SplitNorm(s, ssq, nw, 1e-6)
+    for gcfg in (GemvConfig(bn=16, rs=1, bk=128, warps=2, split=1, kacc=32),  # the norm finished in the GEMV
+                 GemvConfig(bn=8, rs=1, bk=64, warps=2, split=1, prefetch=True),
+                 GemvConfig(bn=16, rs=1, bk=64, warps=2, split=2),  # split-K: each split writes its columns
+                 GemvConfig(bn=16, rs=1, bk=64, warps=4, split=1, mma=True)):  # finished by its own launch
+        h = torch.full_like(s, float("nan"))
+        got = fp8_block_gemv(h, w, si, split_norm=split, config=gcfg)
+        want = fp8_block_gemv(h_full, w, si, config=gcfg)
+        # the same norm as stage 2's last block gives, up to the order the squares are summed in
+        assert (h == h_full).float().mean() > 0.95 and (h.float() - h_full.float()).abs().max() < 0.05, gcfg
+        assert ((got.float() - want.float()).norm() / want.float().norm()).item() < 1e-2, gcfg
+        assert torch.equal(got, fp8_block_gemv(h.clone(), w, si, config=gcfg)), gcfg  # it read the h it wrote
+    wrong = SplitNorm(s, ssq * 4, nw, 1e-6)
+    assert not torch.equal(fp8_block_gemv(torch.empty_like(s), w, si, split_norm=wrong), got)
+    print("interpreter ok")
+""")
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+def test_next_layers_projection_finishing_the_moe_norm_under_triton_interpreter():
+    """SPARKCHAT_MOE_ADD_NORM=2: stage 2 adds the residual and writes the sums of squares
+    (mxfp4_moe_add_sumsq); the next projection's GEMV applies the norm as it loads s and writes h."""
+    _run_interpreted(_SPLIT_NORM_SCRIPT)
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")

@@ -185,16 +185,13 @@ def test_prompt_gemm_compiles_for_the_spark_without_spills(M):
     assert "wgmma" in hopper.asm["ptx"]
 
 
-@pytest.mark.parametrize("evict_last, op", [(True, "CCTL.E.PML2"), (False, "CCTL.E.PF2")])
-def test_l2_prefetch_is_one_prefetch_per_line_and_nothing_else(evict_last, op):
-    """Each thread issues its lines' L2 prefetches (8 at 4 warps) and no load or store: nothing is held
-    in registers, so the kernel ends as soon as they are issued. Compiles for the Spark's sm_121 too."""
-    s = _tools()
-    from sparkchat.engine.kernels.l2_prefetch import LINES_PER_PROGRAM, l2_prefetch_kernel
 
-    consts = {"LINES": LINES_PER_PROGRAM, "EVICT_LAST": evict_last}
-    s.compile_kernel(l2_prefetch_kernel, {"ptr": "*u8", "nbytes": "i64"}, consts, 4, 121)
-    sass = s.compile_sass(l2_prefetch_kernel, {"ptr": "*u8", "nbytes": "i64"}, consts, 4, 90)
-    assert sum(i.startswith(op) for i in sass) == LINES_PER_PROGRAM // 128
-    ops = {s._op(i) for i in sass}
-    assert not ops & {"LDG", "STG", "LDS", "STS"}, ops
+def test_a_projection_finishing_the_moe_norm_keeps_its_registers():
+    """SPARKCHAT_MOE_ADD_NORM=2: KDA's fused input projection at one token applies the split norm as it
+    loads its input; that must not cost it registers (96 either way on sm_90) or spill."""
+    s = _tools()
+    plain, _ = s.fma_gemv(90, 1, 20480, 2560)
+    split, _ = s.fma_gemv(90, 1, 20480, 2560, split_norm=80)
+    assert s.registers(split, "fp8_gemv_kernel") <= s.registers(plain, "fp8_gemv_kernel")
+    assert s.stack_frame(split, "fp8_gemv_kernel") == 0
+    s.fma_gemv(121, 1, 20480, 2560, split_norm=80)  # compiles for the Spark too

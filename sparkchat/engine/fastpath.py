@@ -49,6 +49,10 @@ class ExpertsKernel:
     and the norm after the layer (fuses_norm)."""
 
     MAX_TOKENS = 8
+    # the shared expert and the next norm inside the stages: one token only. In verify windows (4 tokens)
+    # both cost more than they save on the H200 (2026-12-05: verify of 4 +0.47 ms with the shared down in
+    # stage 2, +0.65 ms with the norm; docs/benchmarks.md session 23)
+    FUSED_MAX_TOKENS = 1
 
     def __init__(self, experts: Experts, shared: MLP | None = None, shared_mode: int = 0,
                  add_norm: bool = False) -> None:
@@ -60,17 +64,22 @@ class ExpertsKernel:
 
     def fuses_norm(self, x: torch.Tensor) -> bool:
         """True when this call's last launch can also do the residual add and the RMSNorm after the layer
-        (`norm`; SPARKCHAT_MOE_ADD_NORM=1): a decode or verify window, on the GPU (or the interpreter)."""
-        return (self.add_norm and x.shape[0] <= self.MAX_TOKENS and x.dtype == torch.bfloat16
+        (`norm`; SPARKCHAT_MOE_ADD_NORM=1): one token (FUSED_MAX_TOKENS), on the GPU (or the interpreter)."""
+        return (self.add_norm and x.shape[0] <= self.FUSED_MAX_TOKENS and x.dtype == torch.bfloat16
                 and (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"))
 
+    def splits_norm(self, x: torch.Tensor, norm: RMSNorm) -> bool:
+        """True when, the norm fused (fuses_norm), the last launch does only its first half — the add and
+        the sums of squares (SPARKCHAT_MOE_ADD_NORM=2) — for a norm whose reader finishes it (split_ok)."""
+        return self.add_norm == 2 and norm.split_ok and self.fuses_norm(x)
+
     def fuses_shared(self, x: torch.Tensor) -> int:
-        """0, or how the stages take the shared expert for this input: 1 its down rows (the gate|up GEMV
-        still runs on a side stream, its output passed as `shared_gate_up`; any decode window), 2 both
-        (one token)."""
+        """0, or how the stages take the shared expert for this input (one token, FUSED_MAX_TOKENS): 1 its
+        down rows (the gate|up GEMV still runs on a side stream, its output passed as `shared_gate_up`),
+        2 both."""
         T = x.shape[0]
         on_device = x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
-        if self.shared_mlp is None or T > self.MAX_TOKENS or not on_device:
+        if self.shared_mlp is None or T > self.FUSED_MAX_TOKENS or not on_device:
             return 0
         from sparkchat.engine.kernels.mxfp4_moe import shared_fusable
 
@@ -103,7 +112,8 @@ class ExpertsKernel:
         in its final sum, saving a launch. `join`: call before reading `add` or `shared_gate_up` (made
         on a side stream). `shared` (where fuses_shared says so): the stages compute the shared expert
         and add it, from `shared_gate_up` (its gate|up output) when given. `norm` (residual, norm
-        weight, eps; where fuses_norm says so): returns (residual + output, RMSNorm of it) instead."""
+        weight, eps, split; where fuses_norm says so): returns (residual + output, RMSNorm of it) instead,
+        with `split` (splits_norm) (residual + output, its sums of squares in parts)."""
         if x.shape[0] > self.MAX_TOKENS:  # prefill: the grouped MXFP4 GEMM (kernels/moe_prefill.py)
             if join is not None:
                 join()
@@ -116,7 +126,7 @@ class ExpertsKernel:
                                    add=None if add is None else add.contiguous(), paired=ex.paired)
             out = ex(x, ids, weights)  # the reference path
             return out if add is None else out + add
-        from sparkchat.engine.kernels.mxfp4_moe import mxfp4_moe, mxfp4_moe_add_norm
+        from sparkchat.engine.kernels.mxfp4_moe import mxfp4_moe, mxfp4_moe_add_norm, mxfp4_moe_add_sumsq
 
         ex = self.experts
         args = (x.contiguous(), ids.contiguous(), weights.float().contiguous(), ex.w13, ex.w13_scale, ex.w2,
@@ -125,7 +135,9 @@ class ExpertsKernel:
                       x_packed=getattr(x, "moe_x", None),  # written by the norm before (install)
                       shared=self._shared_expert() if shared else None, shared_gate_up=shared_gate_up)
         if norm is not None:
-            residual, weight, eps = norm
+            residual, weight, eps, split = norm
+            if split:
+                return mxfp4_moe_add_sumsq(*args, residual.contiguous(), **kwargs)
             return mxfp4_moe_add_norm(*args, residual.contiguous(), weight, eps, **kwargs)
         return mxfp4_moe(*args, **kwargs)
 
@@ -137,18 +149,31 @@ def side_stream_enabled() -> bool:
 
 def shared_in_stages_mode() -> int:
     """How a MoE layer runs its shared expert in decode windows, from SPARKCHAT_MOE_SHARED: 0 (the
-    default) as two GEMVs on a side stream, joined before the routed experts' stage 2; 1 its gate|up GEMV
-    on the side stream, its down rows inside stage 2; 2 at one token both inside the routed stages (no
-    side stream), else as 1. Opt-in until timed on a GPU."""
+    default) as two GEMVs on a side stream, joined before the routed experts' stage 2; at one token
+    (ExpertsKernel.FUSED_MAX_TOKENS) 1 its gate|up GEMV on the side stream, its down rows inside stage 2,
+    2 both inside the routed stages (no side stream). Opt-in: H200, 2026-12-05, mode 1 left the one-token
+    step as it was (+0.013 ms) before stage 1 took 16-byte loads; to be timed again with them."""
     value = os.environ.get("SPARKCHAT_MOE_SHARED", "0")
     return int(value) if value in ("0", "1", "2") else 0
 
 
-def moe_add_norm_enabled() -> bool:
-    """A MoE layer's stage 2 also does the residual add and the next RMSNorm (the next layer's input norm,
-    or the final norm) when SPARKCHAT_MOE_ADD_NORM=1, saving that add+norm's launch. Opt-in until timed
-    on a GPU."""
-    return os.environ.get("SPARKCHAT_MOE_ADD_NORM", "0") == "1"
+def moe_add_norm_mode() -> int:
+    """SPARKCHAT_MOE_ADD_NORM: 1, a MoE layer's stage 2 also does the residual add and the next RMSNorm
+    (the next layer's input norm, or the final norm), saving that add+norm's launch (one token; H200,
+    2026-12-05: the one-token step -0.01 ms, within the runs' spread: the last row block's serial norm
+    costs about what the launch did); 2, as 1 but stage 2 does only the add and the sums of squares, and
+    the next layer's input projection GEMV finishes the norm as it loads its input (no serial tail; the
+    final norm as 1). 0, the default: the add+norm kernel. Opt-in until timed."""
+    value = os.environ.get("SPARKCHAT_MOE_ADD_NORM", "0")
+    return int(value) if value in ("1", "2") else 0
+
+
+def shared_add_late_enabled() -> bool:
+    """SPARKCHAT_SHARED_ADD_LATE=1: a MoE layer's shared expert output (side stream) is added by the next
+    norm's add+norm kernel instead of by the routed experts' stage 2, so stage 2 (launched early by PDL,
+    its weights loaded during stage 1) does not wait for the side stream: since stage 1 took 16-byte loads
+    the shared expert's down GEMV often ends after it (docs/benchmarks.md session 23). Opt-in until timed."""
+    return os.environ.get("SPARKCHAT_SHARED_ADD_LATE", "0") == "1"
 
 
 def paired_words_enabled() -> bool:
@@ -187,51 +212,16 @@ def side_stream(device: torch.device) -> torch.cuda.Stream:
     return _SIDE_STREAMS[device]
 
 
-def l2_prefetch_setting() -> tuple[int, str, bool]:
-    """SPARKCHAT_L2_PREFETCH=<MB> (0, the default: off): each layer warms L2 with that much of the next
-    layer's input projection weights (kernels/l2_prefetch.py), from the point SPARKCHAT_L2_PREFETCH_AT
-    names: `moe` (after the MoE's input norm: beside the router, top-k and stages) or `attn` (after the
-    attention's core: beside its output projection as well). SPARKCHAT_L2_PREFETCH_EVICT=normal marks
-    the lines as any others (default: evict_last). Opt-in until timed. -> (bytes, point, evict_last)"""
-    mb = float(os.environ.get("SPARKCHAT_L2_PREFETCH", "0") or 0)
-    at = "attn" if os.environ.get("SPARKCHAT_L2_PREFETCH_AT") == "attn" else "moe"
-    return int(mb * 2**20), at, os.environ.get("SPARKCHAT_L2_PREFETCH_EVICT", "last") != "normal"
-
-
-_PREFETCH_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
-
-
-def _prefetcher(weight: torch.Tensor, nbytes: int, evict_last: bool) -> Callable[[], Callable[[], None]]:
-    """A callable that starts prefetching `weight` on the prefetch stream and returns the join."""
-    from sparkchat.engine.kernels.l2_prefetch import l2_prefetch
-    from sparkchat.engine.streams import fork
-
-    if weight.device not in _PREFETCH_STREAMS:  # its own stream: the shared expert's must not wait for it
-        _PREFETCH_STREAMS[weight.device] = torch.cuda.Stream(weight.device)
-    stream = _PREFETCH_STREAMS[weight.device]
-
-    def start() -> Callable[[], None]:
-        _, join = fork(stream, lambda: l2_prefetch(weight, nbytes, evict_last=evict_last))
-        return join
-
-    return start
-
-
-def _install_prefetch(layers: list, linears: bool) -> None:
-    nbytes, at, evict_last = l2_prefetch_setting()
-    for i, layer in enumerate(layers):
-        layer.prefetch, layer.prefetch_at = None, at
-        nxt = getattr(layers[i + 1].attention, "fused", None) if i + 1 < len(layers) else None
-        if linears and nbytes > 0 and nxt is not None and nxt.weight.is_cuda and nxt.weight.is_contiguous():
-            layer.prefetch = _prefetcher(nxt.weight, nbytes, evict_last)
-
-
 def _fp8_gemv() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
     from sparkchat.engine.kernels.fp8_gemv import fp8_block_gemv
 
     def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        # a norm's output may carry its fp16 form for the tensor-core kernel (fp8_gemv._f16_outputs)
-        return fp8_block_gemv(x.contiguous(), w, scale, x_f16=getattr(x, "f16_acts", None))
+        # a norm's output may carry its fp16 form for the tensor-core kernel (fp8_gemv._f16_outputs), or
+        # be still unwritten, its norm left for this GEMV to finish (h.split_norm, SPARKCHAT_MOE_ADD_NORM=2)
+        split = getattr(x, "split_norm", None)
+        if split is not None:
+            del x.split_norm  # written by this launch: later readers read it as it is
+        return fp8_block_gemv(x.contiguous(), w, scale, x_f16=getattr(x, "f16_acts", None), split_norm=split)
 
     return gemv
 
@@ -327,11 +317,12 @@ def install(model, *, linears: bool, experts: bool, head: bool) -> None:
             m.fast_core = kda_core if m.A_log.is_cuda else None
         if isinstance(m, MoE):
             m.fast_experts = (ExpertsKernel(m.experts, m.shared_experts, shared_in_stages_mode(),
-                                            moe_add_norm_enabled()) if experts and m.experts.is_mxfp4 else None)
+                                            moe_add_norm_mode()) if experts and m.experts.is_mxfp4 else None)
             if m.fast_experts is not None and m.experts.w13.is_cuda:
                 m.experts.use_paired_words(paired_words_enabled())  # the reference path unpairs what it reads
             overlap = m.fast_experts is not None and m.experts.w13.is_cuda and side_stream_enabled()
             m.side_stream = side_stream(m.experts.w13.device) if overlap else None
+            m.late_shared_add = m.fast_experts is not None and shared_add_late_enabled()
         elif isinstance(m, MultiLatentAttention):
             m.fast_step = mla_step if m.kv_b_proj.weight.is_cuda else None
     if add_norm is not None and experts and moe_x_packed_enabled():
@@ -348,7 +339,10 @@ def install(model, *, linears: bool, experts: bool, head: bool) -> None:
         nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else getattr(model, "norm", None)
         fast = layer.mlp.fast_experts if isinstance(layer.mlp, MoE) else None
         layer.next_norm = nxt if fast is not None and fast.add_norm else None
-    _install_prefetch(layers, linears)
+        if i + 1 < len(layers):  # the next layer's input projection can finish the norm (mode 2)
+            proj = getattr(layers[i + 1].attention, "fused", None)
+            nxt.split_ok = (fast is not None and fast.add_norm == 2 and proj is not None and proj.is_fp8
+                            and proj.fast is not None)
     mtp = getattr(model, "mtp", None)
     if mtp is not None:
         mtp.fuse_final_norm = mtp.mlp.fast_experts is not None and mtp.mlp.fast_experts.add_norm

@@ -6,8 +6,6 @@ Batch size is always 1: activations are [T, H] for T new tokens at positions sta
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch import nn
 
@@ -16,7 +14,7 @@ from sparkchat.engine.nn.kda import KDASteps, KimiDeltaAttention
 from sparkchat.engine.nn.linear import FusedLinear, Linear, project_add_norm
 from sparkchat.engine.nn.mla import MLACache, MultiLatentAttention, Span
 from sparkchat.engine.nn.moe import MLP, MoE
-from sparkchat.engine.nn.norm import NormedInput, RMSNorm
+from sparkchat.engine.nn.norm import NormedInput, RMSNorm, SplitNormInput
 from sparkchat.engine.nn.ops import ops
 from sparkchat.engine.nn.rope import RotaryEmbedding
 from sparkchat.engine.state import ConversationState
@@ -56,24 +54,19 @@ class DecoderLayer(nn.Module):
         # the norm after this layer (the next one's input norm, or the final norm), when this layer's MoE
         # runs the residual add and that norm in its last launch (set by fastpath.install)
         self.next_norm: RMSNorm | None = None
-        # set by fastpath.install (SPARKCHAT_L2_PREFETCH): starts warming L2 with the next layer's input
-        # projection on a stream of its own and returns the join; called where prefetch_at says
-        self.prefetch: Callable[[], Callable[[], None]] | None = None
-        self.prefetch_at = "moe"
 
     def forward(self, x: torch.Tensor, pending: torch.Tensor | NormedInput | None, span: Span,
                 state: ConversationState, rotary: RotaryEmbedding,
                 keep_steps: bool) -> tuple[torch.Tensor, torch.Tensor | NormedInput, KDASteps | None]:
         """x: the residual stream; pending: the previous layer's MLP output, not yet added (the add
-        fuses with this layer's input norm), or that add and norm already done (NormedInput). Returns
-        (residual, this layer's MLP output or NormedInput, KDA steps)."""
+        fuses with this layer's input norm; a PendingSum: its two parts), or that add and norm already
+        done (NormedInput). Returns (residual, this layer's MLP output or NormedInput, KDA steps)."""
         norm_in = self.input_layernorm
         if pending is None:
             h = norm_in(x)
         else:
             x, h = norm_in.add_norm(x, pending)
         steps = None
-        join = self.prefetch() if self.prefetch is not None and self.prefetch_at == "attn" else None
         if self.is_mla:
             o = self.attention(h, span, state.mla[self.idx], rotary, absorbed=x.shape[0] <= 8, project_out=False)
         else:
@@ -82,16 +75,10 @@ class DecoderLayer(nn.Module):
                                       project_out=False)
         post = self.post_attention_layernorm
         x, h = project_add_norm(self.attention.out_proj, o, x, post.weight, post.eps)
-        if self.prefetch is not None and self.prefetch_at == "moe":  # beside the MoE's latency-bound chain
-            join = self.prefetch()
         if self.next_norm is not None:  # the MoE's last launch adds its output and runs the next norm
-            x, h_next = self.mlp(h, add_norm=(x, self.next_norm))
-            out = NormedInput(h_next, self.next_norm)
-        else:
-            out = self.mlp(h)
-        if join is not None:  # long done by now (it only issues prefetches); a graph needs the edge back
-            join()
-        return x, out, steps
+            x, h_next = self.mlp(h, add_norm=(x, self.next_norm))  # (or its first half: SplitNormInput)
+            return x, h_next if isinstance(h_next, SplitNormInput) else NormedInput(h_next, self.next_norm), steps
+        return x, self.mlp(h), steps
 
 
 class MTPLayer(nn.Module):

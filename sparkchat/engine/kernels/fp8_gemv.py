@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from sparkchat.engine.kernels.counters import arrival_counters
-from sparkchat.engine.kernels.norm_rows import SCALE_BLOCK, _norm_rows
+from sparkchat.engine.kernels.norm_rows import SCALE_BLOCK, _norm_rows, norm_rows_kernel
 from sparkchat.engine.kernels.packed_acts import _store_packed
 from sparkchat.engine.kernels.pdl import pdl_args, pdl_wait
 
@@ -56,12 +56,15 @@ def _gemv_weights(w_ptr, s_ptr, r0, k0, sub, kk, N: tl.constexpr, K: tl.constexp
 
 @triton.jit
 def _gemv_acts(x_ptr, sc, k0, kk, T: tl.constexpr, K: tl.constexpr, EVEN_K: tl.constexpr,
-               SCALE: tl.constexpr, XS: tl.constexpr, XU: tl.constexpr, X_SWIGLU: tl.constexpr, lim):
+               SCALE: tl.constexpr, XS: tl.constexpr, XU: tl.constexpr, X_SWIGLU: tl.constexpr, lim,
+               xn=(), XN: tl.constexpr = False):
     """Each token's activation chunk [BK] at k0 in fp32, already multiplied by the block scale of its
     columns (scaling the activations once replaces a multiply per weight). With X_SWIGLU, x rows hold
     [gate | up] (up at column XU) and the activation is the clamped SwiGLU of the two, rounded to bf16
     as the separate op would: an MLP's down projection then reads its gate/up projection's output
-    directly."""
+    directly. XN: x rows hold s, the norm's input, and xn = (norm weight, h out, write h?, each token's
+    rsqrt): the activation is the RMSNorm's output, rounded as _norm_rows rounds it, and written to h
+    where asked (_split_norm)."""
     cols = k0 + kk
     kmask = cols < K
     xs = ()
@@ -70,6 +73,11 @@ def _gemv_acts(x_ptr, sc, k0, kk, T: tl.constexpr, K: tl.constexpr, EVEN_K: tl.c
             xv = tl.load(x_ptr + t * XS + cols).to(tl.float32)
         else:
             xv = tl.load(x_ptr + t * XS + cols, mask=kmask, other=0.0).to(tl.float32)
+        if XN:
+            nw = tl.load(xn[0] + cols, mask=kmask, other=0.0).to(tl.float32)
+            hv = (nw * (xv * xn[3][t]).to(tl.bfloat16).to(tl.float32)).to(tl.bfloat16)
+            tl.store(xn[1] + t * XS + cols, hv, mask=kmask & xn[2])
+            xv = hv.to(tl.float32)
         if X_SWIGLU:
             up = tl.load(x_ptr + t * XS + XU + cols, mask=kmask, other=0.0).to(tl.float32)
             a = tl.minimum(xv / (1.0 + tl.exp(-xv)), lim)
@@ -84,11 +92,24 @@ def _gemv_acts(x_ptr, sc, k0, kk, T: tl.constexpr, K: tl.constexpr, EVEN_K: tl.c
 def _gemv_loads(x_ptr, w_ptr, s_ptr, r0, k0, sub, kk, T: tl.constexpr, N: tl.constexpr, K: tl.constexpr,
                 KB: tl.constexpr, BN: tl.constexpr, RS: tl.constexpr, EVEN_N: tl.constexpr,
                 EVEN_K: tl.constexpr, SCALE: tl.constexpr, XS: tl.constexpr, XU: tl.constexpr,
-                X_SWIGLU: tl.constexpr, lim):
+                X_SWIGLU: tl.constexpr, lim, xn=(), XN: tl.constexpr = False):
     """One k step's weight tiles and scaled activation chunks."""
     ws, sc = _gemv_weights(w_ptr, s_ptr, r0, k0, sub, kk, N, K, KB, BN, RS, EVEN_N, EVEN_K, SCALE)
-    xs = _gemv_acts(x_ptr, sc, k0, kk, T, K, EVEN_K, SCALE, XS, XU, X_SWIGLU, lim)
+    xs = _gemv_acts(x_ptr, sc, k0, kk, T, K, EVEN_K, SCALE, XS, XU, X_SWIGLU, lim, xn, XN)
     return ws, xs
+
+
+@triton.jit
+def _split_norm(ssq_ptr, nw_ptr, h_ptr, eps, T: tl.constexpr, K: tl.constexpr, NSQ: tl.constexpr,
+                NSQP: tl.constexpr):
+    """The norm's other half for a GEMV whose x is s (XN): each token's rsqrt(sum of the NSQ partial sums
+    of squares / K + eps), as _norm_rows takes it; the first row block's programs also write h."""
+    q = tl.arange(0, NSQP)
+    invs = ()
+    for t in tl.static_range(T):
+        ssq = tl.load(ssq_ptr + t * NSQ + q, mask=q < NSQ, other=0.0, cache_modifier=".cg")
+        invs = invs + (tl.rsqrt(tl.sum(ssq, axis=0) / K + eps),)
+    return nw_ptr, h_ptr, tl.program_id(0) == 0, invs
 
 
 @triton.jit
@@ -139,6 +160,9 @@ def fp8_gemv_kernel(
     h16_ptr=None, hd_ptr=None, F16: tl.constexpr = False, hx_ptr=None, MOE_X: tl.constexpr = False,
     INTERPRET: tl.constexpr = False,
     ROUTER: tl.constexpr = False,  # OUT 3: then the router's scores (_router_scores_tail; cnt_ptr, res_ptr = bias)
+    # XN_NSQ > 0: x is s, an RMSNorm's input, with XN_NSQ partial sums of squares a token at xn_ssq_ptr;
+    # the activations are the norm's output (weight xn_w_ptr), which the first row block writes to xn_h_ptr
+    xn_ssq_ptr=None, xn_w_ptr=None, xn_h_ptr=None, xn_eps=0.0, XN_NSQ: tl.constexpr = 0, XN_NSQP: tl.constexpr = 1,
 ):
     """Rows [pid*RS*BN, +RS*BN) of y = x @ w.T for T tokens, over this program's share of K. The
     program holds RS row tiles of [BN, BK] fp8 per k step; each token's activation chunk is loaded
@@ -166,14 +190,19 @@ def fp8_gemv_kernel(
     # The first k step's weights are loaded before pdl_wait: they overlap the previous kernel's tail.
     ws, sc = _gemv_weights(w_ptr, s_ptr, r0, k_lo, sub, kk, N, K, KB, BN, RS, EVEN_N, EVEN_K, SCALE)
     pdl_wait(PDL)
-    xs = _gemv_acts(x_ptr, sc, k_lo, kk, T, K, EVEN_K, SCALE, XSTRIDE, XU, X_SWIGLU, lim)
+    XN: tl.constexpr = XN_NSQ > 0
+    if XN:
+        xn = _split_norm(xn_ssq_ptr, xn_w_ptr, xn_h_ptr, xn_eps, T, K, XN_NSQ, XN_NSQP)
+    else:
+        xn = ()
+    xs = _gemv_acts(x_ptr, sc, k_lo, kk, T, K, EVEN_K, SCALE, XSTRIDE, XU, X_SWIGLU, lim, xn, XN)
     if PREFETCH:
         # Software-pipelined by one k step: step k+1's weights and activations are in flight while
         # step k multiplies (the last step re-reads its own chunk: cache hits).
         for kb in tl.range(0, KS, BK, loop_unroll_factor=UNROLL):
             kn = k_lo + tl.minimum(kb + BK, (KS - 1) // BK * BK)
             ws_n, xs_n = _gemv_loads(x_ptr, w_ptr, s_ptr, r0, kn, sub, kk, T, N, K, KB, BN, RS, EVEN_N,
-                                     EVEN_K, SCALE, XSTRIDE, XU, X_SWIGLU, lim)
+                                     EVEN_K, SCALE, XSTRIDE, XU, X_SWIGLU, lim, xn, XN)
             accs = _gemv_step(accs, ws, xs, T, RS, ROW_ACC, KACC)
             ws = ws_n
             xs = xs_n
@@ -182,7 +211,7 @@ def fp8_gemv_kernel(
         for kb in tl.range(BK, KS, BK, loop_unroll_factor=UNROLL):
             k0 = k_lo + kb
             ws, xs = _gemv_loads(x_ptr, w_ptr, s_ptr, r0, k0, sub, kk, T, N, K, KB, BN, RS, EVEN_N, EVEN_K,
-                                 SCALE, XSTRIDE, XU, X_SWIGLU, lim)
+                                 SCALE, XSTRIDE, XU, X_SWIGLU, lim, xn, XN)
             accs = _gemv_step(accs, ws, xs, T, RS, ROW_ACC, KACC)
     best_v = ()
     best_i = ()
@@ -395,9 +424,11 @@ def _add_norm_tail(part_ptr, cnt_ptr, res_ptr, nw_ptr, s_out_ptr, h_ptr, ssq_ptr
 def splitk_add_norm_kernel(part_ptr, res_ptr, nw_ptr, res_out_ptr, h_ptr, eps, N: tl.constexpr,
                            T: tl.constexpr, SPLIT: tl.constexpr, BLOCK: tl.constexpr,
                            PDL: tl.constexpr = False, h16_ptr=None, hd_ptr=None, F16: tl.constexpr = False,
-                           hx_ptr=None, MOE_X: tl.constexpr = False, INTERPRET: tl.constexpr = False):
+                           hx_ptr=None, MOE_X: tl.constexpr = False, INTERPRET: tl.constexpr = False,
+                           add_ptr=None, HAS_ADD: tl.constexpr = False):
     """One program per token: y = the SPLIT partials summed in order, rounded to bf16 (the projection's
-    output), then the residual add and RMSNorm that follow it, rounded as ops.add_rms_norm rounds:
+    output; HAS_ADD: plus add_ptr's bf16 [T, N], rounded again, as torch adds two bf16 tensors — a MoE
+    layer's shared expert), then the residual add and RMSNorm that follow it, rounded as ops.add_rms_norm rounds:
     s = bf16(residual + y); h = w * bf16(s * rsqrt(mean(s²) + eps)). Writes s and h. With SPLIT = 1
     the one partial may be bf16 (add_rms_norm). F16: also h as f16_block_acts gives it (h16 fp16 [T, N],
     hd fp32 [T, ceil(N/128)]), which the tensor-core GEMVs reading h then take as is. MOE_X: also h as
@@ -409,8 +440,11 @@ def splitk_add_norm_kernel(part_ptr, res_ptr, nw_ptr, res_out_ptr, h_ptr, eps, N
     y = tl.load(part_ptr + t * N + i, mask=m, other=0.0)
     for p in tl.static_range(1, SPLIT):
         y += tl.load(part_ptr + (p * T + t) * N + i, mask=m, other=0.0)
+    y = y.to(tl.bfloat16).to(tl.float32)
+    if HAS_ADD:
+        y = (y + tl.load(add_ptr + t * N + i, mask=m, other=0.0).to(tl.float32)).to(tl.bfloat16).to(tl.float32)
     r = tl.load(res_ptr + t * N + i, mask=m, other=0.0).to(tl.float32)
-    s = (r + y.to(tl.bfloat16).to(tl.float32)).to(tl.bfloat16).to(tl.float32)
+    s = (r + y).to(tl.bfloat16).to(tl.float32)
     inv = tl.rsqrt(tl.sum(s * s, axis=0) / N + eps)
     w = tl.load(nw_ptr + i, mask=m, other=0.0).to(tl.float32)
     h = (w * (s * inv).to(tl.bfloat16).to(tl.float32)).to(tl.bfloat16)
@@ -622,21 +656,54 @@ def f16_block_acts(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (xf * up[..., None]).view(T, kb * 128)[:, :K].to(torch.float16).contiguous(), down.contiguous()
 
 
+@dataclass
+class SplitNorm:
+    """An RMSNorm left half done (mxfp4_moe_add_sumsq): its input s [T, K] bf16 and s's sums of squares
+    in parts, fp32 [T, NSQ]. Attached to the norm's output h (not yet written) as `h.split_norm`; the
+    GEMV reading h finishes the norm as it loads s and writes h for the layer's other readers
+    (fp8_block_gemv's `split_norm`), or `finish` does, one launch."""
+    s: torch.Tensor
+    ssq: torch.Tensor
+    weight: torch.Tensor
+    eps: float
+
+    def finish(self, h: torch.Tensor) -> torch.Tensor:
+        """Write the norm's output into h (norm_rows_kernel) and return it."""
+        T, N = self.s.shape
+        norm_rows_kernel[(1,)](self.s, self.ssq, self.weight, h, float(self.eps), NSQ=self.ssq.shape[1], T=T, N=N,
+                               INTERPRET=_interpreting(), num_warps=8, **pdl_args(h.device))
+        return h
+
+
 def fp8_block_gemv(
     x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor, *,
     out: torch.Tensor | None = None, config: GemvConfig | None = None,
-    x_f16: tuple[torch.Tensor, torch.Tensor] | None = None,
+    x_f16: tuple[torch.Tensor, torch.Tensor] | None = None, split_norm: SplitNorm | None = None,
 ) -> torch.Tensor:
     """x [T, K] bf16 @ (w fp8 [N, K] * 128x128 block scale_inv).T -> bf16 [T, N]; w streamed once.
     x_f16: x as f16_block_acts gives it, which the tensor-core kernel then reads instead of scaling x
-    itself at every k step (same products)."""
+    itself at every k step (same products). split_norm: x is an RMSNorm's output not yet written; the
+    FMA kernel applies the norm to split_norm.s as it loads it and writes x (its first row block does,
+    each split its columns); the tensor-core one has SplitNorm.finish write x first."""
     T, N, K = _check_x_w(x, w)
     assert scale_inv.dtype == torch.float32 and scale_inv.is_contiguous()
     assert scale_inv.shape == (triton.cdiv(N, 128), triton.cdiv(K, 128)), f"scale_inv {tuple(scale_inv.shape)}"
     if out is None:
         out = torch.empty(T, N, dtype=torch.bfloat16, device=x.device)
     assert out.shape == (T, N) and out.dtype == torch.bfloat16 and out.is_contiguous()
-    _launch(x, w, scale_inv, out, out, out, 0, 0, config or gemv_config("block", T, N, K), x_f16=x_f16)
+    cfg = config or gemv_config("block", T, N, K)
+    extra = {}
+    if split_norm is not None:
+        sn = split_norm
+        assert sn.s.shape == x.shape and sn.s.dtype == torch.bfloat16 and sn.ssq.shape[0] == T
+        if cfg.mma:
+            sn.finish(x)  # the tensor-core kernel takes its activations in other forms: the norm written first
+        else:
+            nsq = sn.ssq.shape[1]
+            extra = dict(xn_ssq_ptr=sn.ssq, xn_w_ptr=sn.weight, xn_h_ptr=x, xn_eps=float(sn.eps), XN_NSQ=nsq,
+                         XN_NSQP=_pow2(nsq))
+            x = sn.s
+    _launch(x, w, scale_inv, out, out, out, 0, 0, cfg, x_f16=x_f16, **extra)
     return out
 
 
@@ -691,18 +758,25 @@ def fused_add_norm_enabled() -> bool:
     return os.environ.get("SPARKCHAT_FUSED_ADD_NORM", "1") != "0"
 
 
-def add_rms_norm(x: torch.Tensor, h: torch.Tensor, norm_w: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(x: torch.Tensor, h: torch.Tensor, norm_w: torch.Tensor, eps: float,
+                 add: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """ops.add_rms_norm(x, h, norm_w, eps) for a decode window, bf16 [T, N]: (x + h, RMSNorm(x + h)) in
     one launch of the split-K reduce's kernel, h its only partial. Inductor's fused kernel for the same
     thing cannot take part in programmatic dependent launch, so the GEMV after it could not start
-    streaming its weights until it had finished."""
+    streaming its weights until it had finished. `add` (bf16 [T, N]): h is h + add first, rounded as
+    torch rounds it (a MoE layer's shared expert output, added here rather than in the routed stages)."""
     T, N = x.shape
     assert h.shape == (T, N) and norm_w.shape == (N,)
     assert x.dtype == h.dtype == norm_w.dtype == torch.bfloat16
+    extra = {}
+    if add is not None:
+        assert add.shape == (T, N) and add.dtype == torch.bfloat16
+        extra = dict(add_ptr=add.contiguous(), HAS_ADD=True)
     s_out = torch.empty(T, N, dtype=x.dtype, device=x.device)
     out = torch.empty_like(s_out)
     splitk_add_norm_kernel[(T,)](h.contiguous(), x.contiguous(), norm_w.contiguous(), s_out, out, float(eps), N=N,
-                                 T=T, SPLIT=1, BLOCK=_pow2(N), num_warps=8, **_f16_outputs(out), **pdl_args(x.device))
+                                 T=T, SPLIT=1, BLOCK=_pow2(N), num_warps=8, **_f16_outputs(out), **extra,
+                                 **pdl_args(x.device))
     return s_out, out
 
 

@@ -28,8 +28,9 @@ lanes along the words (one 128-byte line per warp load) and rows in registers, s
 value is loaded once per thread and reused across its rows. Configs: MoeConfig / moe_config; the
 `prefetch` option software-pipelines the k loop by one step (each step's words are loaded a step ahead);
 `preload1`/`preload2` (the one-token default) unroll it and load every step's words before multiplying.
-`vec1`/`vec2` (opt-in) run a stage as its own kernel in 16-byte loads instead: a thread holds whole MX
-groups (4 consecutive words and their one scale byte), every load issued before the multiplies.
+`vec1`/`vec2` (the default wherever a program serves one token) run a stage as its own kernel in 16-byte
+loads instead: a thread holds whole MX groups (4 consecutive words and their one scale byte), every load
+issued before the multiplies.
 Packed activations (the MoE input from the add+norm kernel, stage 1's act for stage 2) lie in four planes
 (_store_packed), so that a warp's loads of one component over consecutive words read consecutive words.
 """
@@ -38,6 +39,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+import dataclasses
 from dataclasses import dataclass, replace
 
 import torch
@@ -512,7 +514,7 @@ def mxfp4_moe_stage2_kernel(
     SHARED > 0: slots T*K .. T*K + SHARED - 1 run the shared expert's down rows (_shared_down, into part
     rows T*K + t), which _sum_slots adds after the routed experts' sum; their act is stage 1's (sha_ptr
     fp32, one token), or with SH_GU > 0 the SwiGLU of a gate|up GEMV's bf16 output at sha_ptr [T, SH_ROW].
-    NORM: the residual add and the next RMSNorm too (_sum_slots)."""
+    NORM: the residual add and the next RMSNorm too (_sum_slots; 2: the add and the sums of squares)."""
     nb = tl.program_id(0)  # block of RS*BN output rows
     s = tl.program_id(1)  # slot t*K + k
     rows = nb * (RS * BN) + tl.arange(0, BN)
@@ -579,7 +581,9 @@ def _sum_slots(part_ptr, cnt_ptr, y_ptr, add_ptr, nb, rows, T: tl.constexpr, K: 
     NORM: then the residual add and RMSNorm after the layer, as fp8_gemv's _add_norm_tail does them for
     an output projection: s = bf16(residual + y) and each row tile's sum of squares, and the last row
     block to finish (counter H / (RS*BN)) turns s into the norm's output for all H columns (and its F16
-    form). norm = (residual, norm weight, s out, h out, sums of squares [T, H/BN], eps, h16, hd)."""
+    form). norm = (residual, norm weight, s out, h out, sums of squares [T, H/BN], eps, h16, hd).
+    NORM == 2: s and the sums of squares only; the GEMV reading the norm's output applies it as it loads s
+    (fp8_gemv's x_norm), with no serial last block here."""
     tl.debug_barrier()
     done = tl.atomic_add(cnt_ptr + nb, 1, sem="acq_rel", scope="gpu")
     if done == T * K + SHARED - 1:
@@ -602,7 +606,7 @@ def _sum_slots(part_ptr, cnt_ptr, y_ptr, add_ptr, nb, rows, T: tl.constexpr, K: 
                     sf = sv.to(tl.float32)
                     tl.store(norm[4] + t * (H // BN) + nb * RS + r, tl.sum(sf * sf, axis=0))
         tl.store(cnt_ptr + nb, 0)  # ready for the next launch
-        if NORM:
+        if NORM == 1:
             NBLK: tl.constexpr = H // (RS * BN)
             tl.debug_barrier()  # s and the sums of squares -> the release below
             last = tl.atomic_add(cnt_ptr + NBLK, 1, sem="acq_rel", scope="gpu")
@@ -903,9 +907,10 @@ _TUNED: dict[tuple[int, int, int], MoeConfig] = {
 }
 
 
-# The stages in 16-byte loads (vec1 / vec2), opt-in with SPARKCHAT_MOE_VEC until timed on a GPU: per shape,
-# stage 1's blocks that give each thread 40 weight words (as the preloaded one-token stage 1) under 80
-# registers; stage 2 keeps the tuned blocks.
+# The stages in 16-byte loads (vec1 / vec2; SPARKCHAT_MOE_VEC, default 3: H200, 2026-12-05, graphed step
+# 2.257 -> 2.208 ms and verify of 4 4.14 -> 4.08 ms, docs/benchmarks.md session 23): per shape, stage 1's
+# blocks that give each thread 40 weight words (as the preloaded one-token stage 1) under 80 registers;
+# stage 2 keeps the tuned blocks.
 _VEC1: dict[tuple[int, int, int], dict] = {
     (1, 2560, 768): dict(bn1=16, bkw1=64, warps1=8, maxnreg1=80),
     (4, 2560, 768): dict(bn1=4, bkw1=64, warps1=2, maxnreg1=80),
@@ -916,7 +921,7 @@ _SHARED_STAGE1_MAXNREG = 80  # stage 1's register cap when it runs the shared ex
 _SHARED_STAGE2_MAXNREG = 64  # stage 2's, when it runs the shared expert's down for several tokens
 
 
-def moe_config(T: int, H: int, I: int) -> MoeConfig:
+def moe_config(T: int, H: int, I: int, vec: int | None = None) -> MoeConfig:
     """Tuned config for this shape, else a default. Several tokens default to per-slot programs: on
     the H200 DEDUPE's shared decode did not pay for its per-token arithmetic and registers (repeated
     experts are re-read from L2, not HBM, when their slots run side by side). Products are bf16x2
@@ -924,7 +929,9 @@ def moe_config(T: int, H: int, I: int) -> MoeConfig:
     already as bf16x2 words (`packed_act`); SPARKCHAT_MOE_PACKED=0 / SPARKCHAT_MOE_PACKED_ACT=0 turn
     those off. The one-token stages issue all their weight loads up front (`preload1`/`preload2`);
     SPARKCHAT_MOE_PRELOAD=0 restores their k loops. SPARKCHAT_MOE_VEC runs the stages in 16-byte loads
-    wherever a program serves one token: bit 0 stage 1 (`vec1`), bit 1 stage 2 (`vec2`); 3 both."""
+    wherever a program serves one token: bit 0 stage 1 (`vec1`), bit 1 stage 2 (`vec2`); 3 both, the
+    default; 0 the loads of the preloaded stages (`vec` given: that instead of the variable).
+    SPARKCHAT_MOE_CONFIG overrides fields for experiments (moe_config_overrides)."""
     cfg = _TUNED.get((T, H, I)) or (MoeConfig() if T == 1 else MoeConfig(dedupe=False))
     one_token = T == 1 or not cfg.dedupe
     packed = one_token and os.environ.get("SPARKCHAT_MOE_PACKED", "1") != "0"
@@ -932,14 +939,35 @@ def moe_config(T: int, H: int, I: int) -> MoeConfig:
     if (cfg.preload1 or cfg.preload2) and os.environ.get("SPARKCHAT_MOE_PRELOAD", "1") == "0":
         # the k loops; stage 1's loop was tuned with 4 warps (its 8 serve the preloaded body)
         cfg = replace(cfg, preload1=False, preload2=False, warps1=4 if cfg.preload1 else cfg.warps1)
-    vec_bits = os.environ.get("SPARKCHAT_MOE_VEC", "0")
+    vec_bits = os.environ.get("SPARKCHAT_MOE_VEC", "3") if vec is None else str(vec)
     vec = int(vec_bits) if packed and vec_bits.isdigit() else 0
     if vec & 1:
         cfg = replace(cfg, vec1=True, **_VEC1.get((T, H, I), {}))
     if vec & 2:
         cfg = replace(cfg, vec2=True)
+    cfg = replace(cfg, **moe_config_overrides(T))
     return replace(cfg, packed=packed,
                    packed_act=packed and os.environ.get("SPARKCHAT_MOE_PACKED_ACT", "1") != "0")
+
+
+def moe_config_overrides(T: int) -> dict:
+    """SPARKCHAT_MOE_CONFIG: MoeConfig fields for one window size, e.g. `T1.bkw1:32/T1.warps1:4/T4.bn2:16`
+    (`/` between fields, so that profile_step's --switch NAME=V1,V2 can list several), for timing blocks
+    in the graphed step, where a config can rank otherwise than alone. "0" or unset: none."""
+    spec = os.environ.get("SPARKCHAT_MOE_CONFIG", "0")
+    if spec in ("", "0"):
+        return {}
+    fields = {f.name: f.type for f in dataclasses.fields(MoeConfig)}
+    out: dict = {}
+    for item in spec.split("/"):
+        window, _, rest = item.partition(".")
+        name, _, value = rest.partition(":")
+        if not window.startswith("T") or not window[1:].isdigit() or name not in fields or not value:
+            raise ValueError(f"SPARKCHAT_MOE_CONFIG: {item!r} is not T<tokens>.<field>:<value> "
+                             f"(fields: {', '.join(fields)})")
+        if int(window[1:]) == T:
+            out[name] = value in ("1", "true", "True") if fields[name] in (bool, "bool") else int(value)
+    return out
 
 
 def pack_moe_x(x: torch.Tensor) -> torch.Tensor:
@@ -1143,6 +1171,26 @@ def mxfp4_moe_add_norm(
                 h16_ptr=f16.get("h16_ptr"), hd_ptr=f16.get("hd_ptr"), F16=f16.get("F16", False))
     mxfp4_moe(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, swiglu_limit, _norm=norm, **kwargs)
     return s_out, h
+
+
+def mxfp4_moe_add_sumsq(
+    x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor,
+    w13_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor, swiglu_limit: float,
+    residual: torch.Tensor,  # [T, H] bf16: the residual stream the layer's output is added to
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A MoE layer and the first half of the RMSNorm after it: (s, sums of squares) where s = residual +
+    mxfp4_moe(...) (bf16 [T, H], as ops.add_rms_norm rounds it) and the sums of squares of s are fp32
+    [T, H / tile] by stage-2 row tile. The GEMV that reads the norm's output finishes it as it loads s
+    (fp8_gemv.SplitNorm): no launch, and no serial last block, for the norm. kwargs: mxfp4_moe's."""
+    T, H = x.shape
+    assert residual.shape == (T, H) and residual.dtype == torch.bfloat16 and residual.is_contiguous()
+    s_out = torch.empty_like(residual)
+    cfg = kwargs.get("config") or moe_config(T, H, w13.shape[1] // 2)
+    ssq = torch.empty(T, H // _fit(cfg.bn2, H), dtype=torch.float32, device=x.device)
+    norm = dict(res_ptr=residual, s_out_ptr=s_out, ssq_ptr=ssq, NORM=2)
+    mxfp4_moe(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, swiglu_limit, _norm=norm, **kwargs)
+    return s_out, ssq
 
 
 def shared_fusable(shared: SharedExpert, T: int, H: int, inter: int, config: MoeConfig | None = None,

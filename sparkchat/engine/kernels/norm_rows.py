@@ -49,3 +49,10 @@ def _norm_rows(s_ptr, ssq_ptr, nw_ptr, h_ptr, eps, h16_ptr, hd_ptr, hx_ptr, NSQ:
                          ((e - 14) << 23).to(tl.float32, bitcast=True), mask=b * SCALE_BLOCK < N)
             if MOE_X:
                 _store_packed(hx_ptr + t * N, cols, h.to(tl.float32), m, N, INTERPRET)
+
+
+@triton.jit
+def norm_rows_kernel(s_ptr, ssq_ptr, nw_ptr, h_ptr, eps, NSQ: tl.constexpr, T: tl.constexpr, N: tl.constexpr,
+                     INTERPRET: tl.constexpr):
+    """_norm_rows as a launch of its own (one program): a split norm whose reader could not finish it."""
+    _norm_rows(s_ptr, ssq_ptr, nw_ptr, h_ptr, eps, None, None, None, NSQ, T, N, False, False, INTERPRET)

@@ -68,6 +68,10 @@ class Linear(nn.Module):
                 fast = self.fast_prompt if x.dtype == torch.bfloat16 else None  # the prompt kernels take bf16
             if fast is not None:
                 return fast(x, self.weight, self.weight_scale_inv)
+        split = getattr(x, "split_norm", None)  # a norm's output the fast GEMV would have written
+        if split is not None:
+            split.finish(x)
+            del x.split_norm
         return F.linear(x, self.dense_weight(x.dtype))
 
     def extra_repr(self) -> str:

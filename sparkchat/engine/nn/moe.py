@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sparkchat.engine.nn.linear import GEMV_MAX_TOKENS, FusedLinear, Linear, project
-from sparkchat.engine.nn.norm import RMSNorm
+from sparkchat.engine.nn.norm import PendingSum, RMSNorm, SplitNormInput
 from sparkchat.engine.nn.ops import ops, register
 from sparkchat.engine.streams import fork
 
@@ -156,15 +156,23 @@ class MoE(nn.Module):
         self.shared_experts = MLP(hidden, inter * shared, shared_limit) if shared else None
         self.fast_experts = None  # set by the GPU path: a callable with Experts.forward's signature
         self.side_stream = None  # set by the GPU path: the shared expert runs there, alongside the routing
+        # set by the GPU path (SPARKCHAT_SHARED_ADD_LATE): a decode window's output is a PendingSum, the
+        # shared expert's part added by the next norm's add+norm instead of by the routed experts' stage 2
+        self.late_shared_add = False
 
     def forward(self, x: torch.Tensor, add_norm: tuple[torch.Tensor, RMSNorm] | None = None):
-        """The layer's output [T, H]; with add_norm = (residual, norm): (residual + output, norm of that)
-        instead, the add and the norm done in the routed experts' last launch where the GPU path can
-        (ExpertsKernel.fuses_norm), else by norm.add_norm."""
+        """The layer's output [T, H] (or, with late_shared_add, a PendingSum for the next norm's
+        add_norm); with add_norm = (residual, norm): (residual + output, norm of that) instead, the add
+        and the norm done in the routed experts' last launch where the GPU path can
+        (ExpertsKernel.fuses_norm), else by norm.add_norm; where the norm's reader can finish it
+        (ExpertsKernel.splits_norm): (residual + output, SplitNormInput)."""
         fast = self.fast_experts
         in_kernel = add_norm is not None and getattr(fast, "fuses_norm", None) is not None and fast.fuses_norm(x)
-        extra = {"norm": (add_norm[0], add_norm[1].weight, add_norm[1].eps)} if in_kernel else {}
+        split = in_kernel and fast.splits_norm(x, add_norm[1])  # half the norm here, half in the next GEMV
+        extra = {"norm": (add_norm[0], add_norm[1].weight, add_norm[1].eps, split)} if in_kernel else {}
         out = self._forward(x, extra)
+        if split:
+            return out[0], SplitNormInput(out[1], add_norm[1])
         if add_norm is None or in_kernel:
             return out
         return add_norm[1].add_norm(add_norm[0], out)
@@ -181,12 +189,18 @@ class MoE(nn.Module):
             gate_up, join = fork(self.side_stream, self.shared_experts.fused, x)
             ids, weights = self.gate(x)
             return self.fast_experts(x, ids, weights, shared=True, shared_gate_up=gate_up, join=join, **extra)
+        # the shared part left to the next norm's add+norm: stage 2 then need not wait for the side stream
+        late = self.late_shared_add and not extra and x.shape[0] <= GEMV_MAX_TOKENS
         if self.fast_experts is not None and self.shared_experts is not None and self.side_stream is not None:
             shared, join = fork(self.side_stream, self.shared_experts, x)  # overlaps the routing
             ids, weights = self.gate(x)
+            if late:
+                return PendingSum(self.fast_experts(x, ids, weights), shared, join)
             return self.fast_experts(x, ids, weights, add=shared, join=join, **extra)  # the add fuses in
         ids, weights = self.gate(x)
         if self.fast_experts is not None and self.shared_experts is not None:
+            if late:
+                return PendingSum(self.fast_experts(x, ids, weights), self.shared_experts(x))
             return self.fast_experts(x, ids, weights, add=self.shared_experts(x), **extra)
         if self.fast_experts is not None:
             return self.fast_experts(x, ids, weights, **extra)

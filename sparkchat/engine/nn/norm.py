@@ -20,17 +20,33 @@ class RMSNorm(nn.Module):
         # GPU path for the residual add fused with this norm (fastpath installs kernels' add_rms_norm
         # on CUDA models only)
         self.fast_add: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
+        # set by fastpath.install (SPARKCHAT_MOE_ADD_NORM=2): this norm's output is read first by an FP8
+        # projection through the fast GEMV, which can finish a split norm as it loads its input
+        self.split_ok = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return ops.rms_norm(x, self.weight, self.eps)
 
-    def add_norm(self, x: torch.Tensor, pending: torch.Tensor | NormedInput) -> tuple[torch.Tensor, torch.Tensor]:
+    def add_norm(self, x: torch.Tensor,
+                 pending: torch.Tensor | NormedInput | PendingSum) -> tuple[torch.Tensor, torch.Tensor]:
         """(x + pending, self(x + pending)): the residual add fused with the norm (on the GPU path, for the
         same decode/verify windows as the output projection's add+norm). A NormedInput made for this norm
-        is both already: x is the sum."""
+        is both already: x is the sum. A PendingSum's two outputs are added first (in the same launch on
+        the GPU path)."""
         if isinstance(pending, NormedInput):
             assert pending.norm is self, "a NormedInput made for another norm"
             return x, pending.h
+        if isinstance(pending, SplitNormInput):  # x is the sum already; the norm's second half is left
+            assert pending.norm is self, "a SplitNormInput made for another norm"
+            return x, pending.output(x)
+        if isinstance(pending, PendingSum):
+            if pending.join is not None:
+                pending.join()
+            routed, shared = pending.routed, pending.shared
+            if (self.fast_add is not None and x.dim() == 2 and x.shape[0] <= GEMV_MAX_TOKENS
+                    and x.dtype == routed.dtype == shared.dtype == self.weight.dtype == torch.bfloat16):
+                return self.fast_add(x, routed, self.weight, self.eps, add=shared)
+            pending = routed + shared
         if (self.fast_add is not None and x.dim() == 2 and x.shape[0] <= GEMV_MAX_TOKENS
                 and x.dtype == pending.dtype == self.weight.dtype == torch.bfloat16):
             return self.fast_add(x, pending, self.weight, self.eps)
@@ -43,6 +59,36 @@ class NormedInput:
     layer's last launch did both: MoE.forward's add_norm): what `norm.add_norm` then returns as is."""
     h: torch.Tensor
     norm: RMSNorm
+
+
+@dataclass
+class SplitNormInput:
+    """A MoE layer's output added to the residual stream, with the sums of squares of that sum in parts:
+    the first half of `norm` (the routed experts' last launch did it: mxfp4_moe_add_sumsq). `output`
+    gives the norm's output: where the norm allows it (split_ok), a tensor the next projection's GEMV
+    writes as it applies the norm (h.split_norm, fp8_gemv.SplitNorm), else written at once."""
+    ssq: torch.Tensor
+    norm: RMSNorm
+
+    def output(self, s: torch.Tensor) -> torch.Tensor:
+        from sparkchat.engine.kernels.fp8_gemv import SplitNorm
+
+        split = SplitNorm(s, self.ssq, self.norm.weight, self.norm.eps)
+        h = torch.empty_like(s)
+        if not self.norm.split_ok:
+            return split.finish(h)
+        h.split_norm = split
+        return h
+
+
+@dataclass
+class PendingSum:
+    """A MoE layer's output as its two parts, not yet added: the routed experts' and the shared expert's
+    (made on a side stream; `join` makes the current stream wait for it). The next norm's add+norm adds
+    them, so the routed experts' last launch need not wait for the side stream (MoE.late_shared_add)."""
+    routed: torch.Tensor
+    shared: torch.Tensor
+    join: Callable[[], None] | None = None
 
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
