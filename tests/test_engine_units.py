@@ -330,31 +330,35 @@ def test_install_hands_each_moe_layer_the_norm_after_it(tiny_model_dir, monkeypa
     assert all(layer.next_norm is None for layer in layers) and not model.mtp.fuse_final_norm
 
 
+def _prompt_step_verify_draft(model, cfg) -> tuple[torch.Tensor, ...]:
+    """A 12-token prompt's logits, then a decode step's, a 3-token verify's and an MTP draft's."""
+    from sparkchat.engine.generate import Decoder
+
+    state = ConversationState.allocate(cfg, 64, "cpu", torch.bfloat16)
+    dec = Decoder(model, state)
+    hidden, logits, _ = dec.forward(list(range(5, 17)))
+    dec.commit(list(range(5, 17)))
+    _, step, _ = dec.forward([7])
+    _, verify, _ = dec.forward([7, 9, 11])
+    draft = model.draft(torch.tensor([3]), hidden[-1:], 12, state.mtp)
+    return logits, step, verify, draft
+
+
 def test_a_moe_layer_handing_on_its_normed_output_changes_nothing(tiny_model_dir):
     """The layers' NormedInput hand-over (the MoE does the add and the next norm, here on the reference
     path) gives the very logits and MTP hidden of the usual add+norm at the next layer's start."""
-    from sparkchat.engine.generate import Decoder
     from sparkchat.engine.nn.moe import MoE
 
     cfg = ModelConfig.from_dir(tiny_model_dir)
     model = load_model(tiny_model_dir, cfg, "cpu", torch.bfloat16, 64, quantize_experts=True)
     layers = list(model.layers)
 
-    def run():
-        state = ConversationState.allocate(cfg, 64, "cpu", torch.bfloat16)
-        dec = Decoder(model, state)
-        hidden, logits, _ = dec.forward(list(range(5, 17)))
-        dec.commit(list(range(5, 17)))
-        _, step, _ = dec.forward([7])
-        draft = model.draft(torch.tensor([3]), hidden[-1:], 12, state.mtp)
-        return logits, step, draft
-
-    want = run()
+    want = _prompt_step_verify_draft(model, cfg)
     for i, layer in enumerate(layers):
         if isinstance(layer.mlp, MoE):
             layer.next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else model.norm
     model.mtp.fuse_final_norm = True
-    got = run()
+    got = _prompt_step_verify_draft(model, cfg)
     assert any(layer.next_norm is not None for layer in layers)
     for a, b in zip(got, want):
         assert torch.equal(a, b)
@@ -364,7 +368,6 @@ def test_leaving_the_shared_expert_to_the_next_norm_changes_nothing(tiny_model_d
     """MoE.late_shared_add (SPARKCHAT_SHARED_ADD_LATE): a decode window's MoE output goes on as a
     PendingSum, its shared part added by the next norm's add+norm (here on the reference path); the
     logits, decode step and MTP draft are those of the routed experts adding it themselves, bit for bit."""
-    from sparkchat.engine.generate import Decoder
     from sparkchat.engine.nn import norm
     from sparkchat.engine.nn.moe import MoE
 
@@ -382,22 +385,12 @@ def test_leaving_the_shared_expert_to_the_next_norm_changes_nothing(tiny_model_d
         handed_on.append(isinstance(pending, norm.PendingSum))
         return original(self, x, pending)
 
-    def run():
-        state = ConversationState.allocate(cfg, 64, "cpu", torch.bfloat16)
-        dec = Decoder(model, state)
-        hidden, logits, _ = dec.forward(list(range(5, 17)))
-        dec.commit(list(range(5, 17)))
-        _, step, _ = dec.forward([7])
-        _, verify, _ = dec.forward([7, 9, 11])
-        draft = model.draft(torch.tensor([3]), hidden[-1:], 12, state.mtp)
-        return logits, step, verify, draft
-
-    want = run()
+    want = _prompt_step_verify_draft(model, cfg)
     for m in moes:
         m.late_shared_add = True
     norm.RMSNorm.add_norm = counting
     try:
-        got = run()
+        got = _prompt_step_verify_draft(model, cfg)
     finally:
         norm.RMSNorm.add_norm = original
     assert any(handed_on) and not all(handed_on)  # decode windows hand on a PendingSum, the prompt does not
