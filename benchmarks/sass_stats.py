@@ -128,7 +128,8 @@ def moe_loop(T: int, stage: int, packed: bool, arch: int, paired: bool = False,
 _SHARED_SIG = {"shw_ptr": "*fp8e4nv", "shs_ptr": "*fp32", "sh_limit": "fp32"}  # + sha_ptr (+ xs_ptr)
 
 
-def _moe_stage(cfg, stage: int, arch: int, shared: int = 0, **meta_extra) -> tuple[object, list[str] | None, str]:
+def _moe_stage(cfg, stage: int, arch: int, shared: int = 0, sig_extra: dict | None = None,
+               **meta_extra) -> tuple[object, list[str] | None, str]:
     """(compiled kernel, its SASS or None, kernel name) of one one-token mxfp4_moe stage with `cfg` as
     the engine would launch it (paired words, packed input, PDL). shared: the shared expert as
     SPARKCHAT_MOE_SHARED runs it (1: its down in stage 2; 2: its gate|up in stage 1 too)."""
@@ -148,8 +149,60 @@ def _moe_stage(cfg, stage: int, arch: int, shared: int = 0, **meta_extra) -> tup
             sig.update(_SHARED_SIG, sha_ptr="*bf16" if plan.meta2["SH_GU"] else "*fp32")
     meta = {**meta, "PDL": True, "INTERPRET": False, **meta_extra}
     warps, maxnreg = meta.pop("num_warps"), meta.pop("maxnreg", None)
-    kernel = compile_kernel(fn, sig, meta, warps, arch, maxnreg=maxnreg)
+    kernel = compile_kernel(fn, {**sig, **(sig_extra or {})}, meta, warps, arch, maxnreg=maxnreg)
     return kernel, disassemble(kernel, fn.__name__), fn.__name__
+
+
+def split_norm_kernels(arch: int) -> dict[str, tuple[int | None, int | None]]:
+    """{kernel variant: (registers, stack bytes)} for the split RMSNorms' kernels at the Ling shapes, one
+    token, as the engine launches them (SPARKCHAT_MOE_ADD_NORM=2, SPARKCHAT_SPLIT_MOE_INPUT_NORM=1,
+    SPARKCHAT_SHARED_ADD_LATE=1): each must compile for `arch`; registers and stack where cuobjdump reads it."""
+    from sparkchat.engine.kernels import fp8_gemv as g
+    from sparkchat.engine.kernels import mxfp4_moe as m
+    from sparkchat.engine.kernels.norm_rows import norm_rows_kernel
+
+    out = {}
+
+    def keep(label, kernel, name):
+        out[label] = (registers(kernel, name), stack_frame(kernel, name))
+
+    cfg = m.moe_config(1, H, INTER)
+    norm_sig = {"res_ptr": "*bf16", "s_out_ptr": "*bf16", "ssq_ptr": "*fp32"}
+    kernel, _, name = _moe_stage(cfg, 2, arch, sig_extra=norm_sig, NORM=2)
+    keep("moe stage 2, add + sums of squares", kernel, name)
+    xn_sig = {"xn_ssq_ptr": "*fp32", "xn_w_ptr": "*bf16", "xn_h_ptr": "*bf16", "xn_eps": "fp32"}
+    for label, N, K, kind, extra_sig, extra in (
+            ("output projection, add + sums of squares", H, 4096, "block",
+             {"cnt_ptr": "*i32", "res_ptr": "*bf16", "s_out_ptr": "*bf16", "ssq_ptr": "*fp32", "eps": "fp32"},
+             dict(ADD_NORM=True, NORM_LAST=False)),
+            ("router logits, finishing the norm (h and planes)", 256, H, "plain",
+             dict(xn_sig, xn_hx_ptr="*bf16"), dict(XN_NSQ=320, XN_NSQP=512, XN_WRITE=True, XN_HX=True)),
+            ("shared gate|up, applying the norm", 1536, H, "block", xn_sig,
+             dict(XN_NSQ=320, XN_NSQP=512, XN_WRITE=False)),
+            ("KDA input projection, finishing the norm", 20480, H, "block", xn_sig,
+             dict(XN_NSQ=80, XN_NSQP=128, XN_WRITE=True))):
+        c = g.gemv_config(kind, 1, N, K)
+        bk = min(c.bk, g._pow2(K))
+        split = g._split_for(K, bk, c.split)
+        plain = kind == "plain"
+        cx = dict(T=1, N=N, K=K, BN=c.bn, RS=c.rs, BK=bk, UNROLL=c.unroll, SCALE=2 if plain else 0,
+                  OUT=3 if split > 1 or plain or extra.get("ADD_NORM") else 0, SPLIT=split, PREFETCH=c.prefetch,
+                  ROW_ACC=c.row_acc, XS=0, XU=0, X_SWIGLU=False, PDL=True, KACC=g._kacc(c, bk),
+                  **{"XN_NSQ": 0, "XN_NSQP": 1, "INTERPRET": False, **extra})
+        sig = dict(_GEMV_SIG, w_ptr="*bf16", s_ptr="*bf16", y_ptr="*fp32") if plain else dict(_GEMV_SIG)
+        if cx["OUT"] == 3:
+            sig["y_ptr"] = "*fp32"
+        keep(label, compile_kernel(g.fp8_gemv_kernel, {**sig, **extra_sig}, cx, c.warps, arch), "fp8_gemv_kernel")
+    add = compile_kernel(g.splitk_add_norm_kernel,
+                         {"part_ptr": "*bf16", "res_ptr": "*bf16", "nw_ptr": "*bf16", "res_out_ptr": "*bf16",
+                          "h_ptr": "*bf16", "eps": "fp32", "add_ptr": "*bf16"},
+                         dict(N=H, T=1, SPLIT=1, BLOCK=4096, PDL=True, HAS_ADD=True), 8, arch)
+    keep("add + norm, adding the shared expert", add, "splitk_add_norm_kernel")
+    finish = compile_kernel(norm_rows_kernel,
+                            {"s_ptr": "*bf16", "ssq_ptr": "*fp32", "nw_ptr": "*bf16", "h_ptr": "*bf16", "eps": "fp32",
+                             "hx_ptr": "*bf16"}, dict(NSQ=320, T=1, N=H, INTERPRET=False, MOE_X=True, PDL=True), 8, arch)
+    keep("split norm finished alone", finish, "norm_rows_kernel")
+    return out
 
 
 def moe_loads_before_wait(stage: int, preload: bool, arch: int = 90) -> tuple[int, int] | None:

@@ -396,3 +396,23 @@ def test_leaving_the_shared_expert_to_the_next_norm_changes_nothing(tiny_model_d
     assert any(handed_on) and not all(handed_on)  # decode windows hand on a PendingSum, the prompt does not
     for a, b in zip(got, want):
         assert torch.equal(a, b)
+
+
+def test_the_side_streams_view_of_a_split_norm_reads_it_and_keeps_it():
+    """SPARKCHAT_SPLIT_MOE_INPUT_NORM: the router's GEMV takes (and writes) the MoE input's SplitNorm;
+    the shared expert beside it gets a view whose SplitNorm only reads, and which keeps it (and its sums
+    of squares) for as long as the side stream's join holds the view."""
+    pytest.importorskip("triton")
+    from sparkchat.engine.kernels.fp8_gemv import SplitNorm, take_split_norm
+    from sparkchat.engine.nn.moe import _reading_view
+
+    s = torch.randn(1, 8).bfloat16()
+    h = torch.empty_like(s)
+    assert _reading_view(h) is h  # nothing to split: the tensor itself
+    h.split_norm = SplitNorm(s, torch.ones(1, 2), torch.ones(8).bfloat16(), 1e-6)
+    view = _reading_view(h)
+    assert view is not h and view.data_ptr() == h.data_ptr()
+    assert view.split_norm.write is False and h.split_norm.write is True
+    assert take_split_norm(view).ssq is h.split_norm.ssq and hasattr(view, "split_norm")  # kept
+    assert take_split_norm(h).write and not hasattr(h, "split_norm")  # taken by its writer
+    assert take_split_norm(h) is None

@@ -93,9 +93,15 @@ for i, layer in enumerate(model.layers):  # as install() does with SPARKCHAT_MOE
     layer.next_norm = nxt if fe is not None and fe.add_norm else None
     nxt.split_ok = fe is not None and fe.add_norm == 2 and i + 1 < len(model.layers)
 import functools
-for layer in model.layers:  # as install() does with SPARKCHAT_MOE_X_PACKED=1
+split_inputs = []
+def split_add_norm(*args, **kw):
+    split_inputs.append(kw.get("split_norm", False))
+    return fp8_block_gemv_add_norm(*args, moe_x=True, **kw)
+for i, layer in enumerate(model.layers):  # as install() does with SPARKCHAT_MOE_X_PACKED=1
     if isinstance(layer.mlp, moe.MoE):
-        layer.attention.out_proj.fast_add_norm = functools.partial(fp8_block_gemv_add_norm, moe_x=True)
+        layer.attention.out_proj.fast_add_norm = split_add_norm
+        # the MoE input norm split between the output projection and the router (SPARKCHAT_SPLIT_MOE_INPUT_NORM=1)
+        layer.post_attention_layernorm.split_ok = i >= 2
 from sparkchat.engine.kernels.router import route
 ops.route = route
 fast = logits()
@@ -119,6 +125,7 @@ assert any(in_stages) and not all(in_stages), in_stages  # decode steps: shared 
 assert any(normed) and not all(normed), normed  # decode steps: the next norm in stage 2 and in its own kernel
 assert any(late_adds), late_adds  # a shared expert's output added by the next layer's add+norm
 assert any(split_reads), split_reads  # a layer's input projection finishing its input norm
+assert any(split_inputs) and not all(split_inputs), split_inputs  # the router finishing the MoE's input norm
 print("ok", rel)
 """
 

@@ -374,6 +374,37 @@ def test_fused_add_norm_matches_two_launches_gpu(T, monkeypatch):
 
 
 @gpu
+def test_moe_input_norm_finished_by_the_router_gpu():
+    """SPARKCHAT_SPLIT_MOE_INPUT_NORM=1 at the Ling shapes with the engine's configs: KDA's output
+    projection writes s and its sums of squares, the shared expert's gate|up applies the norm without
+    writing it, the router's logits GEMV applies it and writes h and stage 1's planes."""
+    import dataclasses
+
+    from sparkchat.engine.kernels.fp8_gemv import (fp8_block_gemv, fp8_block_gemv_add_norm, plain_gemv_partials,
+                                                   take_split_norm)
+    from sparkchat.engine.kernels.mxfp4_moe import pack_moe_x
+    gen = torch.Generator().manual_seed(23)
+    wo, so = make_fp8(2560, 4096, "cuda", gen)
+    wg, sg = make_fp8(1536, 2560, "cuda", gen)
+    wr = (torch.randn(256, 2560, generator=gen) / 50).bfloat16().cuda()
+    nw = (torch.rand(2560, generator=gen) + 0.5).bfloat16().cuda()
+    for _ in range(3):
+        o = torch.randn(1, 4096, generator=gen).bfloat16().cuda()
+        res = (torch.randn(1, 2560, generator=gen) * 3).bfloat16().cuda()
+        s_ref, h_ref = fp8_block_gemv_add_norm(o, wo, so, res, nw, 1e-6, moe_x=True)
+        s, h = fp8_block_gemv_add_norm(o, wo, so, res, nw, 1e-6, moe_x=True, split_norm=True)
+        assert torch.equal(s, s_ref)
+        view = h.view_as(h)
+        view.split_norm = dataclasses.replace(h.split_norm, write=False)
+        shared = fp8_block_gemv(view, wg, sg, split_norm=take_split_norm(view))
+        logits = plain_gemv_partials(h, wr, split_norm=take_split_norm(h)).sum(0)
+        assert (h == h_ref).float().mean().item() > 0.99 and rel_err(h, h_ref) < 1e-2
+        assert torch.equal(h.moe_x, pack_moe_x(h))
+        assert rel_err(shared, fp8_block_gemv(h_ref, wg, sg)) < 1e-2
+        assert rel_err(logits, plain_gemv_partials(h_ref, wr).sum(0)) < 1e-2
+
+
+@gpu
 def test_next_projection_finishing_the_moe_norm_gpu():
     """SPARKCHAT_MOE_ADD_NORM=2 at the Ling shapes, the engine's configs: stage 2 writes s and its sums of
     squares, KDA's fused input projection (20480 rows) finishes the norm as it loads s, against the MoE
@@ -817,6 +848,53 @@ _SPLIT_NORM_SCRIPT = textwrap.dedent("""
     assert not torch.equal(fp8_block_gemv(torch.empty_like(s), w, si, split_norm=wrong), got)
     print("interpreter ok")
 """)
+
+
+_SPLIT_MOE_INPUT_SCRIPT = textwrap.dedent("""
+    import dataclasses
+    import torch
+    from sparkchat.engine.kernels.fp8_gemv import (GemvConfig, fp8_block_gemv, fp8_block_gemv_add_norm,
+                                                   plain_gemv_partials, take_split_norm)
+    from sparkchat.engine.kernels.mxfp4_moe import pack_moe_x
+    from tests.test_kernels import make_fp8
+    gen = torch.Generator().manual_seed(6)
+    H, D = 256, 128  # hidden, the attention output's width
+    wo, so = make_fp8(H, D, gen=gen)  # the output projection
+    wg, sg = make_fp8(64, H, gen=gen)  # a shared expert's gate|up
+    wr = (torch.randn(16, H, generator=gen) / 16).bfloat16()  # the router
+    nw = (torch.rand(H, generator=gen) + 0.5).bfloat16()
+    o = torch.randn(1, D, generator=gen).bfloat16()
+    res = (torch.randn(1, H, generator=gen) * 2).bfloat16()
+    ocfg = GemvConfig(bn=8, rs=1, bk=64, warps=2, split=2)
+    s_ref, h_ref = fp8_block_gemv_add_norm(o, wo, so, res, nw, 1e-6, config=ocfg, moe_x=True)
+    s, h = fp8_block_gemv_add_norm(o, wo, so, res, nw, 1e-6, config=ocfg, moe_x=True, split_norm=True)
+    assert torch.equal(s, s_ref) and h.split_norm.ssq.shape == (1, H // 8)
+    h.fill_(float("nan")); h.moe_x.fill_(float("nan"))
+    # the shared expert beside the router: applies the norm, writes nothing
+    view = h.view_as(h)
+    view.split_norm = dataclasses.replace(h.split_norm, write=False)
+    gcfg = GemvConfig(bn=16, rs=1, bk=64, warps=2, split=2)
+    shared = fp8_block_gemv(view, wg, sg, split_norm=take_split_norm(view), config=gcfg)
+    assert torch.isnan(h).all() and torch.isnan(h.moe_x).all()
+    # the router's GEMV: applies the norm and writes it, and the MoE stage 1's packed planes
+    logits = plain_gemv_partials(h, wr, GemvConfig(bn=4, rs=1, bk=64, warps=1, split=2), split_norm=take_split_norm(h))
+    assert not hasattr(h, "split_norm")
+    close = lambda a, b: ((a.float() - b.float()).norm() / b.float().norm()).item() < 1e-2
+    assert (h == h_ref).float().mean() > 0.95 and close(h, h_ref)  # up to the squares' summation order
+    assert torch.equal(h.moe_x, pack_moe_x(h))  # the planes of the very h it wrote
+    assert close(shared, fp8_block_gemv(h_ref, wg, sg, config=gcfg))
+    want = plain_gemv_partials(h_ref, wr, GemvConfig(bn=4, rs=1, bk=64, warps=1, split=2))
+    assert close(logits.sum(0), want.sum(0))
+    print("interpreter ok")
+""")
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+def test_moe_input_norm_finished_by_the_router_under_triton_interpreter():
+    """SPARKCHAT_SPLIT_MOE_INPUT_NORM=1: the output projection writes s and its sums of squares; the
+    shared expert's GEMV applies the norm without writing it, the router's GEMV applies it and writes h
+    and stage 1's planes."""
+    _run_interpreted(_SPLIT_MOE_INPUT_SCRIPT)
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")

@@ -195,3 +195,16 @@ def test_a_projection_finishing_the_moe_norm_keeps_its_registers():
     assert s.registers(split, "fp8_gemv_kernel") <= s.registers(plain, "fp8_gemv_kernel")
     assert s.stack_frame(split, "fp8_gemv_kernel") == 0
     s.fma_gemv(121, 1, 20480, 2560, split_norm=80)  # compiles for the Spark too
+
+
+@pytest.mark.parametrize("arch", [90, 121])
+def test_the_split_norms_kernels_compile_without_spills(arch):
+    """Every kernel variant of the split RMSNorms (SPARKCHAT_MOE_ADD_NORM=2, SPARKCHAT_SPLIT_MOE_INPUT_NORM,
+    SPARKCHAT_SHARED_ADD_LATE) compiles as the engine launches it, for the H200 and the Spark, without a
+    stack (the interpreter ran them, but takes things the compiler refuses: a None in a tuple did)."""
+    s = _tools()
+    kernels = s.split_norm_kernels(arch)
+    assert len(kernels) == 7
+    for label, (regs, stack) in kernels.items():
+        assert stack in (0, None), (label, stack)
+        assert regs is None or regs <= 128, (label, regs)

@@ -176,6 +176,15 @@ def shared_add_late_enabled() -> bool:
     return os.environ.get("SPARKCHAT_SHARED_ADD_LATE", "0") == "1"
 
 
+def split_moe_input_norm_enabled() -> bool:
+    """SPARKCHAT_SPLIT_MOE_INPUT_NORM=1: at one token a MoE layer's input norm is split between the
+    attention's output projection (its GEMV writes the residual sum and its sums of squares) and the
+    MoE's readers: the router's GEMV applies the norm as it loads the sum and writes the norm's output
+    (and stage 1's packed planes), the shared expert's gate|up GEMV applies it too; no program runs the
+    norm alone and no launch is spent on it. Opt-in until timed."""
+    return os.environ.get("SPARKCHAT_SPLIT_MOE_INPUT_NORM", "0") == "1"
+
+
 def paired_words_enabled() -> bool:
     """The MXFP4 experts are reordered into the kernels' paired word layout when the MoE kernels are
     installed, unless SPARKCHAT_MOE_PAIRED=0 (then the kernels decode the checkpoint's order)."""
@@ -213,14 +222,12 @@ def side_stream(device: torch.device) -> torch.cuda.Stream:
 
 
 def _fp8_gemv() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
-    from sparkchat.engine.kernels.fp8_gemv import fp8_block_gemv
+    from sparkchat.engine.kernels.fp8_gemv import fp8_block_gemv, take_split_norm
 
     def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         # a norm's output may carry its fp16 form for the tensor-core kernel (fp8_gemv._f16_outputs), or
         # be still unwritten, its norm left for this GEMV to finish (h.split_norm, SPARKCHAT_MOE_ADD_NORM=2)
-        split = getattr(x, "split_norm", None)
-        if split is not None:
-            del x.split_norm  # written by this launch: later readers read it as it is
+        split = take_split_norm(x)
         return fp8_block_gemv(x.contiguous(), w, scale, x_f16=getattr(x, "f16_acts", None), split_norm=split)
 
     return gemv
@@ -333,8 +340,14 @@ def install(model, *, linears: bool, experts: bool, head: bool) -> None:
             out = layer.attention.out_proj
             if isinstance(layer.mlp, MoE) and layer.mlp.fast_experts is not None and out.fast_add_norm is not None:
                 out.fast_add_norm = functools.partial(add_norm, moe_x=True)
-    # a MoE layer hands the next layer its input already added and normed (the next norm passed to it)
     layers = list(getattr(model, "layers", ()))
+    for layer in layers:  # the MoE input norm split between the output projection and the MoE's readers
+        post, m = layer.post_attention_layernorm, layer.mlp
+        shared = getattr(m, "shared_experts", None)
+        post.split_ok = (split_moe_input_norm_enabled() and linears and isinstance(m, MoE)
+                         and m.fast_experts is not None and layer.attention.out_proj.fast_add_norm is not None
+                         and (shared is None or (shared.fused is not None and shared.fused.fast is not None)))
+    # a MoE layer hands the next layer its input already added and normed (the next norm passed to it)
     for i, layer in enumerate(layers):
         nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else getattr(model, "norm", None)
         fast = layer.mlp.fast_experts if isinstance(layer.mlp, MoE) else None

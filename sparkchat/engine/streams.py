@@ -20,9 +20,15 @@ def fork(side: torch.cuda.Stream, fn: Callable[..., R], *args) -> tuple[R, Calla
     result and `join`, which makes the current stream wait for it (call before reading the result).
 
     Memory stays safe without record_stream: the side stream's next use starts with a fork, i.e. after
-    everything the current stream had queued by then, including the reads of this result."""
+    everything the current stream had queued by then, including the reads of this result; and `join`
+    holds fn's arguments (and what they hold) until it is dropped, so that nothing the side stream may
+    still read is freed for the current stream to reuse before it has waited."""
     main = torch.cuda.current_stream(side.device)
     side.wait_stream(main)
     with torch.cuda.stream(side):
         out = fn(*args)
-    return out, lambda: main.wait_stream(side)
+
+    def join(_inputs=args) -> None:
+        main.wait_stream(side)
+
+    return out, join

@@ -57,14 +57,15 @@ def _gemv_weights(w_ptr, s_ptr, r0, k0, sub, kk, N: tl.constexpr, K: tl.constexp
 @triton.jit
 def _gemv_acts(x_ptr, sc, k0, kk, T: tl.constexpr, K: tl.constexpr, EVEN_K: tl.constexpr,
                SCALE: tl.constexpr, XS: tl.constexpr, XU: tl.constexpr, X_SWIGLU: tl.constexpr, lim,
-               xn=(), XN: tl.constexpr = False):
+               xn=(), XN: tl.constexpr = False, XN_WRITE: tl.constexpr = True, XN_HX: tl.constexpr = False,
+               INTERPRET: tl.constexpr = False, hx_ptr=None):
     """Each token's activation chunk [BK] at k0 in fp32, already multiplied by the block scale of its
     columns (scaling the activations once replaces a multiply per weight). With X_SWIGLU, x rows hold
     [gate | up] (up at column XU) and the activation is the clamped SwiGLU of the two, rounded to bf16
     as the separate op would: an MLP's down projection then reads its gate/up projection's output
     directly. XN: x rows hold s, the norm's input, and xn = (norm weight, h out, write h?, each token's
-    rsqrt): the activation is the RMSNorm's output, rounded as _norm_rows rounds it, and written to h
-    where asked (_split_norm)."""
+    rsqrt): the activation is the RMSNorm's output, rounded as _norm_rows rounds it, and (XN_WRITE)
+    written to h where asked, also as the MoE's packed planes at hx_ptr with XN_HX (_split_norm)."""
     cols = k0 + kk
     kmask = cols < K
     xs = ()
@@ -76,8 +77,11 @@ def _gemv_acts(x_ptr, sc, k0, kk, T: tl.constexpr, K: tl.constexpr, EVEN_K: tl.c
         if XN:
             nw = tl.load(xn[0] + cols, mask=kmask, other=0.0).to(tl.float32)
             hv = (nw * (xv * xn[3][t]).to(tl.bfloat16).to(tl.float32)).to(tl.bfloat16)
-            tl.store(xn[1] + t * XS + cols, hv, mask=kmask & xn[2])
             xv = hv.to(tl.float32)
+            if XN_WRITE:
+                tl.store(xn[1] + t * XS + cols, hv, mask=kmask & xn[2])
+                if XN_HX:
+                    _store_packed(hx_ptr + t * K, cols, xv, kmask & xn[2], K, INTERPRET)
         if X_SWIGLU:
             up = tl.load(x_ptr + t * XS + XU + cols, mask=kmask, other=0.0).to(tl.float32)
             a = tl.minimum(xv / (1.0 + tl.exp(-xv)), lim)
@@ -92,10 +96,12 @@ def _gemv_acts(x_ptr, sc, k0, kk, T: tl.constexpr, K: tl.constexpr, EVEN_K: tl.c
 def _gemv_loads(x_ptr, w_ptr, s_ptr, r0, k0, sub, kk, T: tl.constexpr, N: tl.constexpr, K: tl.constexpr,
                 KB: tl.constexpr, BN: tl.constexpr, RS: tl.constexpr, EVEN_N: tl.constexpr,
                 EVEN_K: tl.constexpr, SCALE: tl.constexpr, XS: tl.constexpr, XU: tl.constexpr,
-                X_SWIGLU: tl.constexpr, lim, xn=(), XN: tl.constexpr = False):
+                X_SWIGLU: tl.constexpr, lim, xn=(), XN: tl.constexpr = False, XN_WRITE: tl.constexpr = True,
+                XN_HX: tl.constexpr = False, INTERPRET: tl.constexpr = False, hx_ptr=None):
     """One k step's weight tiles and scaled activation chunks."""
     ws, sc = _gemv_weights(w_ptr, s_ptr, r0, k0, sub, kk, N, K, KB, BN, RS, EVEN_N, EVEN_K, SCALE)
-    xs = _gemv_acts(x_ptr, sc, k0, kk, T, K, EVEN_K, SCALE, XS, XU, X_SWIGLU, lim, xn, XN)
+    xs = _gemv_acts(x_ptr, sc, k0, kk, T, K, EVEN_K, SCALE, XS, XU, X_SWIGLU, lim, xn, XN, XN_WRITE, XN_HX,
+                    INTERPRET, hx_ptr)
     return ws, xs
 
 
@@ -156,13 +162,16 @@ def fp8_gemv_kernel(
     PDL: tl.constexpr = False,  # programmatic dependent launch (kernels/pdl.py)
     KACC: tl.constexpr = 0,  # > 0: [BN, KACC] accumulators (_gemv_step)
     ADD_NORM: tl.constexpr = False,  # OUT 3: then the residual add and RMSNorm (_add_norm_tail)
+    NORM_LAST: tl.constexpr = True,  # ADD_NORM: also the norm itself (else s and the sums of squares only)
     cnt_ptr=None, res_ptr=None, nw_ptr=None, s_out_ptr=None, h_ptr=None, ssq_ptr=None, eps=0.0,
     h16_ptr=None, hd_ptr=None, F16: tl.constexpr = False, hx_ptr=None, MOE_X: tl.constexpr = False,
     INTERPRET: tl.constexpr = False,
     ROUTER: tl.constexpr = False,  # OUT 3: then the router's scores (_router_scores_tail; cnt_ptr, res_ptr = bias)
     # XN_NSQ > 0: x is s, an RMSNorm's input, with XN_NSQ partial sums of squares a token at xn_ssq_ptr;
     # the activations are the norm's output (weight xn_w_ptr), which the first row block writes to xn_h_ptr
+    # (XN_WRITE False: not written here, another kernel does; XN_HX: also as the MoE's packed planes, xn_hx_ptr)
     xn_ssq_ptr=None, xn_w_ptr=None, xn_h_ptr=None, xn_eps=0.0, XN_NSQ: tl.constexpr = 0, XN_NSQP: tl.constexpr = 1,
+    XN_WRITE: tl.constexpr = True, xn_hx_ptr=None, XN_HX: tl.constexpr = False,
 ):
     """Rows [pid*RS*BN, +RS*BN) of y = x @ w.T for T tokens, over this program's share of K. The
     program holds RS row tiles of [BN, BK] fp8 per k step; each token's activation chunk is loaded
@@ -195,14 +204,16 @@ def fp8_gemv_kernel(
         xn = _split_norm(xn_ssq_ptr, xn_w_ptr, xn_h_ptr, xn_eps, T, K, XN_NSQ, XN_NSQP)
     else:
         xn = ()
-    xs = _gemv_acts(x_ptr, sc, k_lo, kk, T, K, EVEN_K, SCALE, XSTRIDE, XU, X_SWIGLU, lim, xn, XN)
+    xs = _gemv_acts(x_ptr, sc, k_lo, kk, T, K, EVEN_K, SCALE, XSTRIDE, XU, X_SWIGLU, lim, xn, XN, XN_WRITE, XN_HX,
+                    INTERPRET, xn_hx_ptr)
     if PREFETCH:
         # Software-pipelined by one k step: step k+1's weights and activations are in flight while
         # step k multiplies (the last step re-reads its own chunk: cache hits).
         for kb in tl.range(0, KS, BK, loop_unroll_factor=UNROLL):
             kn = k_lo + tl.minimum(kb + BK, (KS - 1) // BK * BK)
             ws_n, xs_n = _gemv_loads(x_ptr, w_ptr, s_ptr, r0, kn, sub, kk, T, N, K, KB, BN, RS, EVEN_N,
-                                     EVEN_K, SCALE, XSTRIDE, XU, X_SWIGLU, lim, xn, XN)
+                                     EVEN_K, SCALE, XSTRIDE, XU, X_SWIGLU, lim, xn, XN, XN_WRITE, XN_HX,
+                                     INTERPRET, xn_hx_ptr)
             accs = _gemv_step(accs, ws, xs, T, RS, ROW_ACC, KACC)
             ws = ws_n
             xs = xs_n
@@ -211,7 +222,7 @@ def fp8_gemv_kernel(
         for kb in tl.range(BK, KS, BK, loop_unroll_factor=UNROLL):
             k0 = k_lo + kb
             ws, xs = _gemv_loads(x_ptr, w_ptr, s_ptr, r0, k0, sub, kk, T, N, K, KB, BN, RS, EVEN_N, EVEN_K,
-                                 SCALE, XSTRIDE, XU, X_SWIGLU, lim, xn, XN)
+                                 SCALE, XSTRIDE, XU, X_SWIGLU, lim, xn, XN, XN_WRITE, XN_HX, INTERPRET, xn_hx_ptr)
             accs = _gemv_step(accs, ws, xs, T, RS, ROW_ACC, KACC)
     best_v = ()
     best_i = ()
@@ -246,7 +257,7 @@ def fp8_gemv_kernel(
             tl.store(pidx_ptr + t * NP + pid, bi)
     if ADD_NORM:
         _add_norm_tail(y_ptr, cnt_ptr, res_ptr, nw_ptr, s_out_ptr, h_ptr, ssq_ptr, eps, h16_ptr, hd_ptr, hx_ptr,
-                       pid, r0, sub, T, N, BN, RS, SPLIT, F16, MOE_X, INTERPRET)
+                       pid, r0, sub, T, N, BN, RS, SPLIT, F16, MOE_X, INTERPRET, NORM_LAST)
     if ROUTER:
         _router_scores_tail(y_ptr, cnt_ptr, res_ptr, s_out_ptr, pid, r0, sub, T, N, BN, RS, SPLIT)
 
@@ -386,14 +397,16 @@ def splitk_reduce_kernel(part_ptr, s_ptr, y_ptr, TN: tl.constexpr, N: tl.constex
 @triton.jit
 def _add_norm_tail(part_ptr, cnt_ptr, res_ptr, nw_ptr, s_out_ptr, h_ptr, ssq_ptr, eps, h16_ptr, hd_ptr, hx_ptr,
                    pid, r0, sub, T: tl.constexpr, N: tl.constexpr, BN: tl.constexpr, RS: tl.constexpr,
-                   SPLIT: tl.constexpr, F16: tl.constexpr, MOE_X: tl.constexpr, INTERPRET: tl.constexpr):
+                   SPLIT: tl.constexpr, F16: tl.constexpr, MOE_X: tl.constexpr, INTERPRET: tl.constexpr,
+                   NORM_LAST: tl.constexpr = True):
     """splitk_add_norm_kernel's work, done by the GEMV's own programs so that the output projection and
     the add+norm after it are one launch. The last split of each row block to finish (arrival counter
     pid) sums its rows' partials in split order, adds the residual (s = bf16(residual + bf16(y))) and
     writes s and each row tile's sum of squares; the last row block to finish (counter NP) then turns s
     into h = w * bf16(s * rsqrt(mean(s²) + eps)) for all N columns (and h's F16 / MOE_X forms). Both
     counters are reset by the program that reads them. Same roundings as the two-launch path; only the
-    order in which the squares are summed differs."""
+    order in which the squares are summed differs. NORM_LAST False: s and the sums of squares only, the
+    norm left to its readers (SplitNorm)."""
     NP: tl.constexpr = (N + RS * BN - 1) // (RS * BN)  # row blocks
     tl.debug_barrier()  # this program's partial stores -> the release below
     done = tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel", scope="gpu")
@@ -411,13 +424,22 @@ def _add_norm_tail(part_ptr, cnt_ptr, res_ptr, nw_ptr, s_out_ptr, h_ptr, ssq_ptr
                 sf = sv.to(tl.float32)
                 tl.store(ssq_ptr + t * NSQ + pid * RS + r, tl.sum(sf * sf, axis=0))
         tl.store(cnt_ptr + pid, 0)
-        tl.debug_barrier()  # s and the sums of squares -> the release below
-        last = tl.atomic_add(cnt_ptr + NP, 1, sem="acq_rel", scope="gpu")
-        if last == NP - 1:
-            tl.debug_barrier()
-            _norm_rows(s_out_ptr, ssq_ptr, nw_ptr, h_ptr, eps, h16_ptr, hd_ptr, hx_ptr, NSQ, T, N, F16, MOE_X,
-                       INTERPRET)
-            tl.store(cnt_ptr + NP, 0)
+        if NORM_LAST:
+            _add_norm_last(s_out_ptr, cnt_ptr, nw_ptr, h_ptr, ssq_ptr, eps, h16_ptr, hd_ptr, hx_ptr, NP, NSQ, T, N,
+                           F16, MOE_X, INTERPRET)
+
+
+@triton.jit
+def _add_norm_last(s_out_ptr, cnt_ptr, nw_ptr, h_ptr, ssq_ptr, eps, h16_ptr, hd_ptr, hx_ptr, NP: tl.constexpr,
+                   NSQ: tl.constexpr, T: tl.constexpr, N: tl.constexpr, F16: tl.constexpr, MOE_X: tl.constexpr,
+                   INTERPRET: tl.constexpr):
+    """_add_norm_tail's end: the last row block to finish (counter NP) norms all N columns."""
+    tl.debug_barrier()  # s and the sums of squares -> the release below
+    last = tl.atomic_add(cnt_ptr + NP, 1, sem="acq_rel", scope="gpu")
+    if last == NP - 1:
+        tl.debug_barrier()
+        _norm_rows(s_out_ptr, ssq_ptr, nw_ptr, h_ptr, eps, h16_ptr, hd_ptr, hx_ptr, NSQ, T, N, F16, MOE_X, INTERPRET)
+        tl.store(cnt_ptr + NP, 0)
 
 
 @triton.jit
@@ -666,13 +688,25 @@ class SplitNorm:
     ssq: torch.Tensor
     weight: torch.Tensor
     eps: float
+    write: bool = True  # False: a reader that only applies it (another kernel writes h)
+    planes: torch.Tensor | None = None  # h as the MoE's packed stage 1 reads it (h.moe_x), written with h
 
     def finish(self, h: torch.Tensor) -> torch.Tensor:
-        """Write the norm's output into h (norm_rows_kernel) and return it."""
+        """Write the norm's output into h (norm_rows_kernel; and its planes) and return it."""
         T, N = self.s.shape
+        planes = {} if self.planes is None else dict(hx_ptr=self.planes, MOE_X=True)
         norm_rows_kernel[(1,)](self.s, self.ssq, self.weight, h, float(self.eps), NSQ=self.ssq.shape[1], T=T, N=N,
-                               INTERPRET=_interpreting(), num_warps=8, **pdl_args(h.device))
+                               INTERPRET=_interpreting(), num_warps=8, **planes, **pdl_args(h.device))
         return h
+
+    def kernel_args(self, h: torch.Tensor) -> dict:
+        """fp8_gemv_kernel's arguments for reading x as this norm's output (its x_ptr: self.s)."""
+        nsq = self.ssq.shape[1]
+        args = dict(xn_ssq_ptr=self.ssq, xn_w_ptr=self.weight, xn_h_ptr=h, xn_eps=float(self.eps), XN_NSQ=nsq,
+                    XN_NSQP=_pow2(nsq), XN_WRITE=self.write, INTERPRET=_interpreting())
+        if self.planes is not None and self.write:
+            args.update(xn_hx_ptr=self.planes, XN_HX=True)
+        return args
 
 
 def fp8_block_gemv(
@@ -692,30 +726,25 @@ def fp8_block_gemv(
         out = torch.empty(T, N, dtype=torch.bfloat16, device=x.device)
     assert out.shape == (T, N) and out.dtype == torch.bfloat16 and out.is_contiguous()
     cfg = config or gemv_config("block", T, N, K)
-    extra = {}
-    if split_norm is not None:
-        sn = split_norm
-        assert sn.s.shape == x.shape and sn.s.dtype == torch.bfloat16 and sn.ssq.shape[0] == T
-        if cfg.mma:
-            sn.finish(x)  # the tensor-core kernel takes its activations in other forms: the norm written first
-        else:
-            nsq = sn.ssq.shape[1]
-            extra = dict(xn_ssq_ptr=sn.ssq, xn_w_ptr=sn.weight, xn_h_ptr=x, xn_eps=float(sn.eps), XN_NSQ=nsq,
-                         XN_NSQP=_pow2(nsq))
-            x = sn.s
+    if split_norm is not None and cfg.mma:  # the tensor-core kernel takes its activations in other forms
+        split_norm.finish(x)
+        split_norm = None
+    x, extra = _split_norm_input(x, split_norm)
     _launch(x, w, scale_inv, out, out, out, 0, 0, cfg, x_f16=x_f16, **extra)
     return out
 
 
 def fp8_block_gemv_add_norm(
     x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor, residual: torch.Tensor, norm_w: torch.Tensor,
-    eps: float, *, config: GemvConfig | None = None, moe_x: bool = False,
+    eps: float, *, config: GemvConfig | None = None, moe_x: bool = False, split_norm: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A layer's output projection and what follows it: s = residual + x @ w.T (bf16), then RMSNorm(s)
     with weight norm_w -> (s, norm(s)), both bf16 [T, N]: ops.add_rms_norm(residual, fp8_block_gemv(x,
     w, scale_inv), norm_w, eps) in one launch of the FMA kernel (its last programs add and norm:
     _add_norm_tail), else in two, the add and the norm done by the split-K reduce.
-    moe_x (a MoE layer follows): the norm also comes as pack_moe_x(norm(s)), attached as `.moe_x`."""
+    moe_x (a MoE layer follows): the norm also comes as pack_moe_x(norm(s)), attached as `.moe_x`.
+    split_norm (the FMA kernel): the launch writes s and its sums of squares only; norm(s) is returned
+    unwritten, its SplitNorm attached as `.split_norm` for the GEMV that reads it first."""
     T, N, K = _check_x_w(x, w)
     assert scale_inv.dtype == torch.float32 and scale_inv.is_contiguous()
     assert residual.shape == (T, N) and residual.dtype == torch.bfloat16 and residual.is_contiguous()
@@ -726,6 +755,16 @@ def fp8_block_gemv_add_norm(
     part = torch.empty(split, T, N, dtype=torch.float32, device=x.device)
     s_out = torch.empty_like(residual)
     h = torch.empty_like(residual)
+    if split_norm and not cfg.mma:  # s and the sums of squares; the norm's reader finishes it
+        blocks = triton.cdiv(N, cfg.bn * cfg.rs)
+        ssq = torch.empty(T, blocks * cfg.rs, dtype=torch.float32, device=x.device)
+        _gemv(x, w, scale_inv, part, part, part, 0, 3, cfg, bk, split, ADD_NORM=True, NORM_LAST=False,
+              cnt_ptr=arrival_counters("gemv_add_norm", x.device, blocks + 1), res_ptr=residual, s_out_ptr=s_out,
+              ssq_ptr=ssq)
+        h.split_norm = SplitNorm(s_out, ssq, norm_w, eps, planes=torch.empty_like(h) if moe_x else None)
+        if moe_x:
+            h.moe_x = h.split_norm.planes
+        return s_out, h
     if not cfg.mma and T >= fused_add_norm_min_tokens() and fused_add_norm_enabled():  # one launch
         blocks = triton.cdiv(N, cfg.bn * cfg.rs)
         ssq = torch.empty(T, blocks * cfg.rs, dtype=torch.float32, device=x.device)
@@ -841,10 +880,31 @@ def fp8_head_gemv(
     return out
 
 
-def plain_gemv_partials(x: torch.Tensor, w: torch.Tensor, config: GemvConfig | None = None) -> torch.Tensor:
+def take_split_norm(x: torch.Tensor) -> SplitNorm | None:
+    """x's SplitNorm (x a norm's output not yet written), removed from x where it writes x: the launch it
+    is handed to writes x, and later readers read x as it is. A reading one stays (a side stream's view:
+    it holds the sums of squares for as long as the view lives, i.e. until the side stream is joined)."""
+    split = getattr(x, "split_norm", None)
+    if split is not None and split.write:
+        del x.split_norm
+    return split
+
+
+def _split_norm_input(x: torch.Tensor, split_norm: SplitNorm | None) -> tuple[torch.Tensor, dict]:
+    """(the kernel's x, its extra arguments): x itself, or for x a split norm's unwritten output, the
+    norm's input s and the arguments that have the kernel finish the norm (SplitNorm.kernel_args)."""
+    if split_norm is None:
+        return x, {}
+    assert split_norm.s.shape == x.shape and split_norm.s.dtype == torch.bfloat16
+    return split_norm.s, split_norm.kernel_args(x)
+
+
+def plain_gemv_partials(x: torch.Tensor, w: torch.Tensor, config: GemvConfig | None = None,
+                        split_norm: SplitNorm | None = None) -> torch.Tensor:
     """x [T, K] bf16 @ w.T for a plain (fp32 or bf16) weight [N, K], summed in fp32, split over K:
     returns the split-K partial sums [S, T, N] fp32 for the consumer to add up in order (the router
-    kernel does), so the logits cost one launch and no separate cast of x."""
+    kernel does), so the logits cost one launch and no separate cast of x. split_norm: as
+    fp8_block_gemv's (x, unwritten, is written by this launch where the SplitNorm says so)."""
     T, K = x.shape
     N = w.shape[0]
     assert w.shape[1] == K and w.dtype in (torch.float32, torch.bfloat16) and w.is_contiguous()
@@ -853,15 +913,16 @@ def plain_gemv_partials(x: torch.Tensor, w: torch.Tensor, config: GemvConfig | N
     bk = min(cfg.bk, _pow2(K))
     split = _split_for(K, bk, cfg.split)
     part = torch.empty(split, T, N, dtype=torch.float32, device=x.device)
+    x, extra = _split_norm_input(x, split_norm)
     fp8_gemv_kernel[(triton.cdiv(N, cfg.bn * cfg.rs), split)](
         x, w, w, part, part, part, T=T, N=N, K=K, BN=cfg.bn, RS=cfg.rs, BK=bk, UNROLL=cfg.unroll, SCALE=2,
         SPLIT=split, PREFETCH=cfg.prefetch, ROW_ACC=cfg.row_acc, OUT=3, KACC=_kacc(cfg, bk), num_warps=cfg.warps,
-        **pdl_args(x.device))
+        **extra, **pdl_args(x.device))
     return part
 
 
 def router_scores(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor,
-                  config: GemvConfig | None = None) -> torch.Tensor:
+                  config: GemvConfig | None = None, split_norm: SplitNorm | None = None) -> torch.Tensor:
     """The router's scores for a decode window, in one launch of the split-K GEMV whose last programs
     sum the partials (_router_scores_tail): fp32 [2, T, E], sigmoid(x @ w.T) and that plus `bias`, the
     very values the top-k kernel computes from plain_gemv_partials' output."""
@@ -876,11 +937,12 @@ def router_scores(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor,
     part = torch.empty(split, T, N, dtype=torch.float32, device=x.device)
     scores = torch.empty(2, T, N, dtype=torch.float32, device=x.device)
     blocks = triton.cdiv(N, cfg.bn * cfg.rs)
+    x, extra = _split_norm_input(x, split_norm)
     fp8_gemv_kernel[(blocks, split)](
         x, w, w, part, part, part, T=T, N=N, K=K, BN=cfg.bn, RS=cfg.rs, BK=bk, UNROLL=cfg.unroll, SCALE=2,
         SPLIT=split, PREFETCH=cfg.prefetch, ROW_ACC=cfg.row_acc, OUT=3, KACC=_kacc(cfg, bk), num_warps=cfg.warps,
         ROUTER=True, cnt_ptr=arrival_counters("router_scores", x.device, blocks), res_ptr=bias, s_out_ptr=scores,
-        **pdl_args(x.device))
+        **extra, **pdl_args(x.device))
     return scores
 
 

@@ -8,6 +8,7 @@ import triton
 import triton.language as tl
 
 from sparkchat.engine.kernels.packed_acts import _store_packed
+from sparkchat.engine.kernels.pdl import pdl_wait
 
 SCALE_BLOCK: tl.constexpr = tl.constexpr(128)  # the release's FP8 weight block, both ways
 
@@ -53,6 +54,7 @@ def _norm_rows(s_ptr, ssq_ptr, nw_ptr, h_ptr, eps, h16_ptr, hd_ptr, hx_ptr, NSQ:
 
 @triton.jit
 def norm_rows_kernel(s_ptr, ssq_ptr, nw_ptr, h_ptr, eps, NSQ: tl.constexpr, T: tl.constexpr, N: tl.constexpr,
-                     INTERPRET: tl.constexpr):
+                     INTERPRET: tl.constexpr, hx_ptr=None, MOE_X: tl.constexpr = False, PDL: tl.constexpr = False):
     """_norm_rows as a launch of its own (one program): a split norm whose reader could not finish it."""
-    _norm_rows(s_ptr, ssq_ptr, nw_ptr, h_ptr, eps, None, None, None, NSQ, T, N, False, False, INTERPRET)
+    pdl_wait(PDL)
+    _norm_rows(s_ptr, ssq_ptr, nw_ptr, h_ptr, eps, None, None, hx_ptr, NSQ, T, N, False, MOE_X, INTERPRET)

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sparkchat.engine.kernels.fp8_gemv import GemvConfig, plain_gemv_partials, router_scores
+from sparkchat.engine.kernels.fp8_gemv import GemvConfig, plain_gemv_partials, router_scores, take_split_norm
 from sparkchat.engine.kernels.pdl import pdl_args, pdl_wait
 
 
@@ -126,13 +126,18 @@ def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, groups: int
     assert E % groups == 0 and (E & (E - 1)) == 0 and (groups & (groups - 1)) == 0, "power-of-two E and groups"
     assert weight.dtype in (torch.float32, torch.bfloat16) and bias.dtype == torch.float32 and bias.shape == (E,)
     scored = False
+    # x may be an RMSNorm's output still unwritten, which this GEMV writes as it finishes the norm
+    split = take_split_norm(x)
+    x = x.contiguous()
     if T <= 8 and x.dtype == torch.bfloat16 and (x.is_cuda or _interpreting()):
         scored = router_scores_enabled()
         if scored:  # [2, T, E]: the GEMV's last programs made the scores
-            logits = router_scores(x.contiguous(), weight, bias, gemv)
-        else:
-            logits = plain_gemv_partials(x.contiguous(), weight, gemv)  # [S, T, E]: summed below, in order
+            logits = router_scores(x, weight, bias, gemv, split_norm=split)
+        else:  # [S, T, E]: summed below, in order
+            logits = plain_gemv_partials(x, weight, gemv, split_norm=split)
     else:
+        if split is not None:
+            split.finish(x)
         logits = (x.float() @ weight.float().T).contiguous()[None]
     ids = torch.empty(T, top_k, dtype=torch.int64, device=x.device)
     w = torch.empty(T, top_k, dtype=torch.float32, device=x.device)

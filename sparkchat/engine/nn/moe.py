@@ -6,6 +6,8 @@ scales). The reference forward dequantizes only the experts the tokens selected.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -147,6 +149,18 @@ class Experts(nn.Module):
         return out
 
 
+def _reading_view(x: torch.Tensor) -> torch.Tensor:
+    """x for a reader beside the router: x itself, or where x is a norm's output still unwritten (its
+    SplitNorm, which the router's GEMV writes), a view of it whose SplitNorm only applies the norm, so
+    that the side stream neither writes x nor waits for it."""
+    split = getattr(x, "split_norm", None)
+    if split is None:
+        return x
+    view = x.view_as(x)
+    view.split_norm = dataclasses.replace(split, write=False)
+    return view
+
+
 class MoE(nn.Module):
     def __init__(self, hidden: int, inter: int, experts: int, top_k: int, groups: int, top_groups: int,
                  scaling: float, renormalize: bool, shared: int, limit: float, shared_limit: float) -> None:
@@ -186,13 +200,13 @@ class MoE(nn.Module):
             ids, weights = self.gate(x)
             return self.fast_experts(x, ids, weights, shared=True, **extra)
         if mode == 1 and self.side_stream is not None:  # its gate|up beside the routing, its down in stage 2
-            gate_up, join = fork(self.side_stream, self.shared_experts.fused, x)
+            gate_up, join = fork(self.side_stream, self.shared_experts.fused, _reading_view(x))
             ids, weights = self.gate(x)
             return self.fast_experts(x, ids, weights, shared=True, shared_gate_up=gate_up, join=join, **extra)
         # the shared part left to the next norm's add+norm: stage 2 then need not wait for the side stream
         late = self.late_shared_add and not extra and x.shape[0] <= GEMV_MAX_TOKENS
         if self.fast_experts is not None and self.shared_experts is not None and self.side_stream is not None:
-            shared, join = fork(self.side_stream, self.shared_experts, x)  # overlaps the routing
+            shared, join = fork(self.side_stream, self.shared_experts, _reading_view(x))  # overlaps the routing
             ids, weights = self.gate(x)
             if late:
                 return PendingSum(self.fast_experts(x, ids, weights), shared, join)
