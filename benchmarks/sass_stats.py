@@ -393,6 +393,8 @@ def main() -> None:
                     kind += (", packed act" if stage == 2 else ", packed x (from the norm)") if act else ""
                     report(f"mxfp4_moe T={T} stage {stage} {kind} (k loop)", body, weights)
         moe_shared_report(arch)
+        for label, (regs, stack) in split_norm_kernels(arch).items():  # SPARKCHAT_MOE_ADD_NORM=2 and the like
+            print(f"  split norm: {label}: {regs} registers, {stack} bytes of stack")
         report("route_kernel (whole kernel, one warp)", router_sass(arch))
         report("route_kernel from the GEMV's scores (SPARKCHAT_ROUTER_SCORES=1)", router_sass(arch, scored=True))
         kernel, weights = mma_gemv(arch)
