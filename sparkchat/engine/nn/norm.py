@@ -20,19 +20,20 @@ class RMSNorm(nn.Module):
         # GPU path for the residual add fused with this norm (fastpath installs kernels' add_rms_norm
         # on CUDA models only)
         self.fast_add: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
-        # set by fastpath.install (SPARKCHAT_MOE_ADD_NORM=2): this norm's output is read first by an FP8
-        # projection through the fast GEMV, which can finish a split norm as it loads its input
+        # set by fastpath.install (SPARKCHAT_MOE_ADD_NORM=2, SPARKCHAT_SPLIT_MOE_INPUT_NORM=1): this norm's
+        # output is read first by kernels that can finish a split norm as they load its input (SplitNorm)
         self.split_ok = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return ops.rms_norm(x, self.weight, self.eps)
 
     def add_norm(self, x: torch.Tensor,
-                 pending: torch.Tensor | NormedInput | PendingSum) -> tuple[torch.Tensor, torch.Tensor]:
+                 pending: torch.Tensor | NormedInput | SplitNormInput | PendingSum,
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """(x + pending, self(x + pending)): the residual add fused with the norm (on the GPU path, for the
         same decode/verify windows as the output projection's add+norm). A NormedInput made for this norm
-        is both already: x is the sum. A PendingSum's two outputs are added first (in the same launch on
-        the GPU path)."""
+        is both already: x is the sum; a SplitNormInput half of it (SplitNormInput.output). A PendingSum's
+        two outputs are added first (in the same launch on the GPU path)."""
         if isinstance(pending, NormedInput):
             assert pending.norm is self, "a NormedInput made for another norm"
             return x, pending.h
