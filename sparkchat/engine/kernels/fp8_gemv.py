@@ -782,7 +782,8 @@ def fp8_block_gemv_add_norm(
 # Measured on the H200 (docs/benchmarks.md, session 12): the graphed 4-token verify 0.1 ms faster fused,
 # the one-token step 0.01 ms slower (its GEMV's registers went from 56 to 80 for the tail), so one token
 # keeps the two launches. (Today's one-token output projection takes 72 registers either way, sm_90 SASS,
-# session 22: SPARKCHAT_FUSED_ADD_NORM_ONE_TOKEN=1 fuses one token too, to be timed again.)
+# session 22: SPARKCHAT_FUSED_ADD_NORM_ONE_TOKEN=1 fuses one token too; timed again in session 23, still
+# 0.03 ms slower, most likely for the last row block's serial norm, the registers being the same.)
 FUSED_ADD_NORM_MIN_TOKENS = 2
 
 
