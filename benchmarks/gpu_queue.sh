@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# The GPU runs waiting for a development GPU, as named batches, so a lent machine starts on them at once.
+#
+#   bash benchmarks/gpu_queue.sh wheels        # here (with package registries): the wheels the GPU box lacks
+#   bash benchmarks/gpu_queue.sh ab|tests|configs|bench   # on the GPU box, logs under $OUT (default ./gpu-out)
+#
+# The GPU box has torch, triton and transformers, but not this project's other dependencies, nor the
+# transformers the tiny test models need (5.24), and it cannot fetch: `wheels` downloads them into .whl2/
+# (git-ignored locally; carry it to the box), and every batch installs them into /tmp/site first.
+# Each batch fits one 10-minute command on the H200. What each measures and why: docs/benchmarks.md.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+WHEELS=.whl2
+OUT=${OUT:-gpu-out}
+mkdir -p "$OUT"
+
+wheels() {
+    mkdir -p "$WHEELS"
+    local platform=(--only-binary=:all: --no-deps --python-version 3.12 --implementation cp
+                    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64)
+    python3 -m pip download -q "${platform[@]}" -d "$WHEELS" \
+        transformers==5.24.0 "huggingface-hub>=1.31,<2" "tokenizers>=0.23.1,<0.24" "safetensors>=0.8" \
+        "regex>=2025.10.22" "click>=8.4.2,<9" "hf-xet>=1.6,<2" \
+        fla-core textual platformdirs mdit-py-plugins linkify-it-py uc-micro-py
+    du -sh "$WHEELS"
+}
+
+install_wheels() {
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        "$WHEELS"/*.whl || exit 1
+    export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+    { nvidia-smi -L; python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__,
+transformers.__version__)"; } > "$OUT/env.txt" 2>&1
+}
+
+# Each switch on against off in one process: the graphed decode step and the 4-token verify.
+ab() {
+    timeout 560 python3 benchmarks/profile_step.py \
+        --switch SPARKCHAT_SPLIT_MOE_INPUT_NORM=1 --switch SPARKCHAT_MOE_ADD_NORM=1,2 \
+        --switch SPARKCHAT_SHARED_ADD_LATE=1 --switch SPARKCHAT_MOE_SHARED=1,2 \
+        --switch "SPARKCHAT_SPLIT_MOE_INPUT_NORM=1+SPARKCHAT_MOE_ADD_NORM=2+SPARKCHAT_SHARED_ADD_LATE=1" \
+        --rounds 3 2>&1 | tee "$OUT/ab.txt"
+}
+
+# The whole GPU path against the reference with each candidate on, and the split norms' kernel tests.
+tests() {
+    local sw
+    for sw in SPARKCHAT_DEFAULTS=1 SPARKCHAT_SHARED_ADD_LATE=1 SPARKCHAT_MOE_ADD_NORM=2 \
+              SPARKCHAT_SPLIT_MOE_INPUT_NORM=1 SPARKCHAT_MOE_SHARED=2 \
+              "SPARKCHAT_SPLIT_MOE_INPUT_NORM=1 SPARKCHAT_MOE_ADD_NORM=2 SPARKCHAT_SHARED_ADD_LATE=1"; do
+        echo "== $sw"
+        # shellcheck disable=SC2086  # $sw holds several assignments
+        env $sw timeout 150 python3 -m pytest -q -x tests/test_gpu_engine.py -k fast_path_matches 2>&1 | tail -4
+    done 2>&1 | tee "$OUT/engine.txt"
+    timeout 150 python3 -m pytest -q tests/test_kernels.py \
+        -k "finished_by_the_router_gpu or finishing_the_moe_norm_gpu or add_rms_norm_gpu" 2>&1 | tail -15 \
+        | tee "$OUT/kernels.txt"
+}
+
+# The 16-byte MoE stages' block shapes, timed inside the graphed step; then the MoE alone.
+configs() {
+    timeout 400 python3 benchmarks/profile_step.py --rounds 2 \
+        --switch "SPARKCHAT_MOE_CONFIG=T1.bkw1:32,T1.bn1:8/T1.warps1:4,T1.maxnreg1:0,T4.bn1:8/T4.warps1:4,T4.bn2:16/T4.warps2:2" \
+        2>&1 | tee "$OUT/configs.txt"
+    timeout 150 python3 benchmarks/bench_kernels.py --only moe 2>&1 | tee "$OUT/moe.txt"
+}
+
+bench() {
+    timeout 300 python3 -m sparkchat bench --context 1024 --iters 20 2>&1 | tee "$OUT/bench.txt"
+    timeout 200 python3 benchmarks/profile_step.py --timeline 2>&1 | tee "$OUT/timeline.txt"
+}
+
+case "${1:-}" in
+    wheels) wheels ;;
+    ab|tests|configs|bench) install_wheels; "$1" ;;
+    *) echo "usage: $0 wheels|ab|tests|configs|bench" >&2; exit 2 ;;
+esac
