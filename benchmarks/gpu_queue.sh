@@ -33,7 +33,8 @@ install_wheels() {
 transformers.__version__)"; } > "$OUT/env.txt" 2>&1
 }
 
-# Each switch on against off in one process: the graphed decode step and the 4-token verify.
+# Each switch on against off in one process: the graphed decode step and the 4-token verify, and each
+# variant's logits for one fixed step and verify against the switches off (a broken variant shows).
 ab() {
     timeout 560 python3 benchmarks/profile_step.py \
         --switch SPARKCHAT_SPLIT_MOE_INPUT_NORM=1 --switch SPARKCHAT_MOE_ADD_NORM=1,2 \
@@ -67,7 +68,8 @@ configs() {
 
 bench() {
     timeout 300 python3 -m sparkchat bench --context 1024 --iters 20 2>&1 | tee "$OUT/bench.txt"
-    timeout 200 python3 benchmarks/profile_step.py --timeline 2>&1 | tee "$OUT/timeline.txt"
+    timeout 120 python3 benchmarks/profile_step.py --timeline 2>&1 | tee "$OUT/timeline.txt"
+    timeout 120 python3 benchmarks/profile_step.py --timeline --tokens 4 2>&1 | tee "$OUT/timeline-verify.txt"
 }
 
 case "${1:-}" in

@@ -289,8 +289,12 @@ def compare_overlap(model, state: ConversationState) -> None:
 
 
 def alternate(model, state: ConversationState, name: str, rounds: int = 3) -> None:
-    """The graphed step with one switch on, off, on, off...: a change's effect without machine drift."""
+    """The graphed step with one switch on, off, on, off...: a change's effect without machine drift.
+    Each variant also answers one fixed step and verify, from the same state, and its logits are
+    compared with the last variant's (the switches off): a variant that is fast because it is wrong
+    (a race, a missing wait) shows as a far or non-finite answer beside its time."""
     import os
+    import statistics
 
     if "+" in name:  # A=1+B=2: several switches set together, alternated with all of them 0
         settings = [part.partition("=") for part in name.split("+")]
@@ -299,19 +303,60 @@ def alternate(model, state: ConversationState, name: str, rounds: int = 3) -> No
         n, _, on = name.partition("=")
         variants = [[(n, v)] for v in (*(on or "1").split(","), "0")]
     before = {n: os.environ.get(n) for n, _ in variants[0]}
-    for _ in range(rounds):
-        for variant in variants:
+    labels = ["+".join(f"{n}={v}" for n, v in variant) for variant in variants]
+    times: dict[str, list[tuple[float, float]]] = {label: [] for label in labels}
+    answers: dict[str, list] = {}
+    for r in range(rounds):
+        for variant, label in zip(variants, labels):
             os.environ.update(dict(variant))
             fastpath.install(model, linears=True, experts=True, head=True)
-            label = "+".join(f"{n}={v}" for n, v in variant)
-            print(f"{label}  graph decode step: {graph_step_ms(model, state):.3f} ms, "
-                  f"verify of 4: {graph_step_ms(model, state, tokens=4):.3f} ms", flush=True)
+            if r == 0:
+                answers[label] = [step_logits(model, state, tokens) for tokens in (1, 4)]
+            step, verify = graph_step_ms(model, state), graph_step_ms(model, state, tokens=4)
+            times[label].append((step, verify))
+            print(f"{label}  graph decode step: {step:.3f} ms, verify of 4: {verify:.3f} ms", flush=True)
+    print(f"{name}: medians of {rounds} rounds; logits against {labels[-1]}")
+    for label in labels:
+        steps, verifies = zip(*times[label])
+        checks = ", ".join(logits_agreement(a, b) for a, b in zip(answers[label], answers[labels[-1]]))
+        print(f"  {label}: step {statistics.median(steps):.3f} ms, verify {statistics.median(verifies):.3f} ms;"
+              f" {checks}", flush=True)
     for n, value in before.items():  # the next switch is timed with these as they were
         if value is None:
             os.environ.pop(n)
         else:
             os.environ[n] = value
     fastpath.install(model, linears=True, experts=True, head=True)
+
+
+_STARTS: dict[int, object] = {}  # id(state) -> its StateCheckpoint at step_logits' first call
+
+
+def step_logits(model, state: ConversationState, tokens: int = 1) -> torch.Tensor:
+    """The graphed step's logits (a verify's when tokens > 1, fp32 [T, V]) at context 1024 from the
+    state the model's first call here left (kept on the state, restored before and after), so that
+    every variant answers the same question."""
+    state.token_ids = [0] * 1024
+    start = _STARTS.setdefault(id(state), state.checkpoint())
+    state.restore(start)
+    graphed = Decoder(model, state, StepGraphs(model, state))
+    _, logits, _ = graphed.forward(list(range(1, tokens + 1)), keep_steps=tokens > 1)
+    out = logits.float().clone()
+    state.restore(start)
+    return out
+
+
+def logits_agreement(a: torch.Tensor, b: torch.Tensor) -> str:
+    """How far logits a [T, V] are from b: the largest difference a row as a share of b's row scale,
+    the rows with the same argmax, and whether a is finite. bf16 paths summing in another order land
+    within a few percent on synthetic weights (a flipped near-tie routing choice moves a row further);
+    a broken kernel lands at ~100% or non-finite."""
+    T = a.shape[0]
+    if not bool(torch.isfinite(a).all()):
+        return f"{T} tokens: NOT FINITE"
+    rel = ((a - b).abs().amax(-1) / b.abs().amax(-1).clamp_min(1e-30)).max().item()
+    same = int((a.argmax(-1) == b.argmax(-1)).sum())
+    return f"{T} tokens: max diff {100 * rel:.1f}% of scale, argmax {same}/{T}"
 
 
 def knockout(model, state: ConversationState, rounds: int = 2) -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import torch
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import profile_step  # noqa: E402
@@ -57,6 +59,7 @@ def test_switch_alternation_sets_several_together_and_restores_them(monkeypatch)
     monkeypatch.setattr(profile_step, "fastpath", types.SimpleNamespace(
         install=lambda *a, **k: seen.append((os.environ.get("SPARKCHAT_T_A"), os.environ.get("SPARKCHAT_T_B")))))
     monkeypatch.setattr(profile_step, "graph_step_ms", lambda model, state, tokens=1: 1.0)
+    monkeypatch.setattr(profile_step, "step_logits", lambda model, state, tokens=1: torch.ones(tokens, 8))
     monkeypatch.setenv("SPARKCHAT_T_B", "7")
     monkeypatch.delenv("SPARKCHAT_T_A", raising=False)
     profile_step.alternate(None, None, "SPARKCHAT_T_A=1+SPARKCHAT_T_B=3", rounds=1)
@@ -64,3 +67,28 @@ def test_switch_alternation_sets_several_together_and_restores_them(monkeypatch)
     seen.clear()
     profile_step.alternate(None, None, "SPARKCHAT_T_A=1,2", rounds=2)
     assert seen == [("1", "7"), ("2", "7"), ("0", "7")] * 2 + [(None, "7")]
+
+
+def test_switch_alternation_summarizes_each_variant_with_its_logits_against_off(monkeypatch, capsys):
+    """After the rounds, each variant's median step and verify, and its fixed step's logits compared with
+    the switches-off variant's: a variant that broke the answer says so beside its time."""
+    import types
+
+    monkeypatch.setattr(profile_step, "fastpath", types.SimpleNamespace(install=lambda *a, **k: None))
+    times = iter([2.0, 4.0, 3.0, 5.0, 2.2, 4.4, 3.0, 5.0, 2.1, 4.2, 3.0, 5.0])
+    monkeypatch.setattr(profile_step, "graph_step_ms", lambda model, state, tokens=1: next(times))
+    answers = iter([torch.full((1, 8), float("nan")), torch.ones(4, 8), torch.ones(1, 8), torch.ones(4, 8)])
+    monkeypatch.setattr(profile_step, "step_logits", lambda model, state, tokens=1: next(answers))
+    monkeypatch.delenv("SPARKCHAT_T_A", raising=False)
+    profile_step.alternate(None, None, "SPARKCHAT_T_A=1", rounds=3)
+    out = capsys.readouterr().out
+    assert "SPARKCHAT_T_A=1: step 2.100 ms, verify 4.200 ms; 1 tokens: NOT FINITE, 4 tokens: max diff 0.0%" in out
+    assert "SPARKCHAT_T_A=0: step 3.000 ms, verify 5.000 ms; 1 tokens: max diff 0.0% of scale, argmax 1/1" in out
+
+
+def test_logits_agreement_reports_the_largest_row_difference_and_argmax():
+    b = torch.tensor([[1.0, 4.0, 2.0], [3.0, 0.0, -6.0]])
+    a = b + torch.tensor([[0.0, 0.0, 0.2], [4.0, 0.0, 0.0]])  # row 1: argmax 0 -> 0, diff 4 of scale 6
+    assert profile_step.logits_agreement(a, b) == "2 tokens: max diff 66.7% of scale, argmax 2/2"
+    a[0, 2] = 9.0
+    assert profile_step.logits_agreement(a, b).endswith("argmax 1/2")
