@@ -21,10 +21,10 @@ from sparkchat.engine import fastpath
 from sparkchat.engine.nn import moe
 from sparkchat.engine.nn.ops import ops
 
-path = sys.argv[1]
+path, together = sys.argv[1], sys.argv[2] == "together"  # together: every candidate on every MoE layer
 cfg = ModelConfig.from_dir(path)
 model = load_model(path, cfg, "cpu", torch.bfloat16, 128, quantize_experts=True)
-prompt, follow = list(range(5, 30)), [7, 8, 9, 10, 11]
+prompt, follow, window = list(range(5, 30)), [7, 8, 9, 10, 11], [12, 13, 14, 15]
 
 def logits():
     state = ConversationState.allocate(cfg, 128, "cpu", torch.bfloat16)
@@ -33,7 +33,8 @@ def logits():
     out = [l[-1]]
     for t in follow:
         _, l, _ = dec.forward([t]); dec.commit([t]); out.append(l[-1])
-    return torch.stack(out)
+    _, l, _ = dec.forward(window)  # a verify's window
+    return torch.cat([torch.stack(out), l])
 
 ref = logits()
 gemv, gemm = fastpath._fp8_gemv(), fastpath._fp8_gemm()
@@ -78,10 +79,11 @@ for m in model.modules():
         model._moe_seen = moe_layers + 1
         # every third one adds its output and runs the next norm in stage 2 (SPARKCHAT_MOE_ADD_NORM=1)
         # (the first leaves the norm's second half to the next layer's input projection: mode 2)
-        m.fast_experts = CountingExperts(m.experts, m.shared_experts, 2 if moe_layers % 2 else 0,
-                                         add_norm=(2 if moe_layers == 0 else 1) if moe_layers % 3 == 0 else 0)
+        m.fast_experts = CountingExperts(m.experts, m.shared_experts, 2 if moe_layers % 2 or together else 0,
+                                         add_norm=(2 if moe_layers == 0 or together else 1)
+                                         if moe_layers % 3 == 0 or together else 0)
         # the third leaves its shared expert's output to the next norm's add (SPARKCHAT_SHARED_ADD_LATE=1)
-        m.late_shared_add = moe_layers == 2
+        m.late_shared_add = moe_layers == 2 or together
         m.experts.use_paired_words()  # as install() does on a GPU: the kernels read the paired word order
     elif isinstance(m, KimiDeltaAttention):
         m.fast_core = kda_decode
@@ -101,16 +103,17 @@ for i, layer in enumerate(model.layers):  # as install() does with SPARKCHAT_MOE
     if isinstance(layer.mlp, moe.MoE):
         layer.attention.out_proj.fast_add_norm = split_add_norm
         # the MoE input norm split between the output projection and the router (SPARKCHAT_SPLIT_MOE_INPUT_NORM=1)
-        layer.post_attention_layernorm.split_ok = i >= 2
+        layer.post_attention_layernorm.split_ok = i >= 2 or together
 from sparkchat.engine.kernels.router import route
 ops.route = route
 fast = logits()
 # bf16 summation order differs between the paths; on tiny random models a router score can sit within
 # that noise of its neighbour, and one flipped expert moves that step's logits far. Every step but one
-# must agree within 3% of the logits' scale, and no step may be wildly off.
+# (prompt, five decode steps, a verify's four) must agree within 4% of the logits' scale, their median
+# within 2.5%, and no step may be wildly off (a broken kernel: tens of percent).
 per_step = ((fast - ref).abs().amax(-1) / ref.abs().amax(-1))
 rel = per_step.sort().values[-2].item()
-assert rel < 0.03 and per_step.max().item() < 0.5, per_step.tolist()
+assert rel < 0.04 and per_step.median().item() < 0.025 and per_step.max().item() < 0.5, per_step.tolist()
 # the same greedy token, unless the reference itself is within bf16 noise of a tie there
 pick = fast.argmax(-1)
 gap = ref.amax(-1) - ref.gather(-1, pick[:, None]).squeeze(-1)
@@ -121,17 +124,25 @@ assert calls and max(calls) <= 8, calls
 assert prompt_rows and set(prompt_rows) == {len(prompt)}, prompt_rows  # the prompt's FP8 linears: the GEMM  # the residual add + input norm of every layer after the first
 assert all(m.experts.paired for m in model.modules() if isinstance(m, moe.MoE))
 assert any(packed_x), packed_x  # decode steps' MoE layers got their input packed by the norm before
-assert any(in_stages) and not all(in_stages), in_stages  # decode steps: shared experts in the stages and beside
-assert any(normed) and not all(normed), normed  # decode steps: the next norm in stage 2 and in its own kernel
-assert any(late_adds), late_adds  # a shared expert's output added by the next layer's add+norm
-assert any(split_reads), split_reads  # a layer's input projection finishing its input norm
-assert any(split_inputs) and not all(split_inputs), split_inputs  # the router finishing the MoE's input norm
+if together:  # one-token steps take every candidate; longer windows what applies to them
+    assert any(in_stages) and any(normed) and any(split_reads) and any(split_inputs), (in_stages, normed, split_inputs)
+    assert any(late_adds), late_adds  # the verify's window: the next norm is not stage 2's there
+else:
+    assert any(in_stages) and not all(in_stages), in_stages  # decode steps: shared experts in the stages and beside
+    assert any(normed) and not all(normed), normed  # decode steps: the next norm in stage 2 and in its own kernel
+    assert any(late_adds), late_adds  # a shared expert's output added by the next layer's add+norm
+    assert any(split_reads), split_reads  # a layer's input projection finishing its input norm
+    assert any(split_inputs) and not all(split_inputs), split_inputs  # the router finishing the MoE's input norm
 print("ok", rel)
 """
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed (CPU-only CI)")
-def test_fast_path_matches_reference_under_the_interpreter(tmp_path):
+@pytest.mark.parametrize("mode", ["mixed", "together"])
+def test_fast_path_matches_reference_under_the_interpreter(tmp_path, mode):
+    """mixed: each MoE layer a different combination of the fused and split forms; together: all of them
+    on every MoE layer (shared expert in the stages, next norm split by stage 2, input norm split by the
+    router, shared output added late), as the profile_step A/Bs set them together."""
     import json
 
     from safetensors.torch import load_file
@@ -146,6 +157,6 @@ def test_fast_path_matches_reference_under_the_interpreter(tmp_path):
     path = tmp_path / "fp4"  # FP8 block linears + MXFP4 experts: every kernel gets exercised
     save_release_checkpoint(path, tensors, json.loads((plain / "config.json").read_text()))
     env = dict(os.environ, TRITON_INTERPRET="1")
-    r = subprocess.run([sys.executable, "-c", SCRIPT, str(path)], capture_output=True, text=True, env=env,
+    r = subprocess.run([sys.executable, "-c", SCRIPT, str(path), mode], capture_output=True, text=True, env=env,
                        timeout=600)
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-3000:]
