@@ -208,3 +208,21 @@ def test_the_split_norms_kernels_compile_without_spills(arch):
     for label, (regs, stack) in kernels.items():
         assert stack in (0, None), (label, stack)
         assert regs is None or regs <= 128, (label, regs)
+
+
+@pytest.mark.parametrize("arch", [90, 121])
+def test_one_token_stages_with_the_shared_expert_compile_without_spills(arch):
+    """SPARKCHAT_MOE_SHARED=1|2 at one token with the 16-byte-load stages (the default): stage 1 holding
+    the shared expert's gate|up rows too (capped at 80 registers so that its programs fit the GPU at
+    once) and stage 2 its down rows. Stage 1 spilled 144 bytes while its shared programs kept their
+    weights across the PDL wait; making their act before the wait ends that."""
+    s = _tools()
+    from dataclasses import replace
+
+    from sparkchat.engine.kernels import mxfp4_moe as m
+
+    tuned = m.moe_config(1, s.H, s.INTER, vec=0)
+    vec = replace(tuned, vec1=True, vec2=True, **m._VEC1[(1, s.H, s.INTER)])
+    for stage, shared in ((1, 2), (2, 1), (2, 2)):
+        kernel, _, name = s._moe_stage(vec, stage, arch, shared)
+        assert s.stack_frame(kernel, name) in (0, None), (stage, shared, s.stack_frame(kernel, name))

@@ -693,20 +693,23 @@ def _shared_programs_first(S: tl.constexpr, SHARED: tl.constexpr):
 def _shared_gate_up(x_ptr, w_ptr, s_ptr, act_ptr, limit, r0, H: tl.constexpr, UP: tl.constexpr,
                     BS: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr, FENCE: tl.constexpr):
     """Stage 1's shared-expert programs (MoE with `shared`): one token's gate rows [r0, r0 + BS) of the
-    shared expert's fused FP8 gate|up weight and the matching up rows (at row UP + r). Nothing here
-    depends on the routing, so every weight and scale load is issued before the PDL wait: they stream
-    while the router's kernels run. Then the SwiGLU -> act_ptr[r0 : r0 + BS] fp32, rounded as the shared
-    MLP's own kernels round it (its gate|up output to bf16, the SwiGLU to bf16)."""
+    shared expert's fused FP8 gate|up weight and the matching up rows (at row UP + r), then the SwiGLU ->
+    act_ptr[r0 : r0 + BS] fp32, rounded as the shared MLP's own kernels round it (its gate|up output to
+    bf16, the SwiGLU to bf16). Nothing here depends on the routing, so all of it runs before the PDL
+    wait, while the router's kernels do: x is the MoE's input, written by the norm or by the router's
+    GEMV — two kernels back at least (pdl.py) — and act_ptr's row is read only by stage 2, after its
+    own wait, and touched by neither kernel that can still be running (the top-k before this launch,
+    stage 2 after it)."""
     gs, sgs = _fp8_rows_preload(w_ptr, s_ptr, r0, H, BS, BK)
     us, sus = _fp8_rows_preload(w_ptr, s_ptr, UP + r0, H, BS, BK)
     if FENCE:
         _issue_fence()
-    pdl_wait(PDL)
     g = _bf16_round(_fp8_rows_dot(gs, sgs, x_ptr, H, BS, BK)[0])
     u = _bf16_round(_fp8_rows_dot(us, sus, x_ptr, H, BS, BK)[0])
     lim = tl.where(limit > 0, limit, float("inf"))
     a = tl.minimum(g / (1.0 + tl.exp(-g)), lim) * tl.minimum(tl.maximum(u, -lim), lim)
     tl.store(act_ptr + r0 + tl.arange(0, BS), _bf16_round(a))
+    pdl_wait(PDL)
 
 
 @triton.jit

@@ -8,7 +8,8 @@ that the next kernel may start. Inside a CUDA graph the dependency becomes a pro
 
 The rules every PDL kernel here keeps:
 - before `pdl_wait`, read only constant data (weights, scales) or data written at least two kernels
-  back (see below), and write nothing;
+  back (see below), and write nothing the kernel before may still read or write (the MoE's stage 1
+  makes the shared expert's act from the MoE input before its wait: only stage 2 reads it, after its own);
 - call `pdl_wait` on every path through the kernel, before touching activations or outputs;
 - signal the next kernel only after waiting (`pdl_wait` does both). So when a kernel starts, its
   predecessor has passed its own wait, i.e. everything before the predecessor has finished: reading
