@@ -720,15 +720,19 @@ def _shared_down(act_ptr, w_ptr, s_ptr, out_ptr, r0, limit, T: tl.constexpr, H: 
     weights and scales loaded before the PDL wait, then each of the T tokens' act -> out_ptr[t, r0 : r0 +
     BS] (rows of H) fp32, holding the bf16 the down GEMV would give (_sum_slots adds it). The act: stage
     1's (GU = 0; one token), or (GU > 0: up at column GU, rows of GU_ROW) the SwiGLU of the gate|up GEMV's
-    output, made as it is loaded."""
+    output, made as it is loaded. That output was joined before this launch (a full dependency, not the
+    PDL edge), so with it all of this runs before the wait; stage 1's act must wait."""
     ws, ss = _fp8_rows_preload(w_ptr, s_ptr, r0, I, BS, BK)
     if FENCE:
         _issue_fence()
-    pdl_wait(PDL)
+    if GU == 0:
+        pdl_wait(PDL)
     lim = tl.where(limit > 0, limit, float("inf"))
     ys = _fp8_rows_dot(ws, ss, act_ptr, I, BS, BK, GU, lim, T, GU_ROW)
     for t in tl.static_range(T):
         tl.store(out_ptr + t * H + r0 + tl.arange(0, BS), _bf16_round(ys[t]))
+    if GU > 0:
+        pdl_wait(PDL)
 
 
 @triton.jit
