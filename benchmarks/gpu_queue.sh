@@ -38,7 +38,7 @@ transformers.__version__)"; } > "$OUT/env.txt" 2>&1
 ab() {
     timeout 560 python3 benchmarks/profile_step.py \
         --switch SPARKCHAT_SPLIT_MOE_INPUT_NORM=1 --switch SPARKCHAT_MOE_ADD_NORM=1,2 \
-        --switch SPARKCHAT_SHARED_ADD_LATE=1 --switch SPARKCHAT_MOE_SHARED=1,2 \
+        --switch SPARKCHAT_SHARED_ADD_LATE=1 --switch SPARKCHAT_MOE_SHARED=1,2 --switch SPARKCHAT_ROUTE_LATE_TRIGGER=1 \
         --switch "SPARKCHAT_SPLIT_MOE_INPUT_NORM=1+SPARKCHAT_MOE_ADD_NORM=2+SPARKCHAT_SHARED_ADD_LATE=1" \
         --switch "SPARKCHAT_SPLIT_MOE_INPUT_NORM=1+SPARKCHAT_MOE_ADD_NORM=2+SPARKCHAT_SHARED_ADD_LATE=1+SPARKCHAT_MOE_SHARED=2" \
         --rounds 3 2>&1 | tee "$OUT/ab.txt"
@@ -48,7 +48,7 @@ ab() {
 tests() {
     local sw
     for sw in SPARKCHAT_DEFAULTS=1 SPARKCHAT_SHARED_ADD_LATE=1 SPARKCHAT_MOE_ADD_NORM=2 \
-              SPARKCHAT_SPLIT_MOE_INPUT_NORM=1 SPARKCHAT_MOE_SHARED=2 \
+              SPARKCHAT_SPLIT_MOE_INPUT_NORM=1 SPARKCHAT_MOE_SHARED=2 SPARKCHAT_ROUTE_LATE_TRIGGER=1 \
               "SPARKCHAT_SPLIT_MOE_INPUT_NORM=1 SPARKCHAT_MOE_ADD_NORM=2 SPARKCHAT_SHARED_ADD_LATE=1 SPARKCHAT_MOE_SHARED=2"; do
         echo "== $sw"
         # shellcheck disable=SC2086  # $sw holds several assignments

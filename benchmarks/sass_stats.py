@@ -242,14 +242,16 @@ def moe_vec_loads(stage: int, arch: int = 90, fence: bool = True) -> tuple[dict,
     return kinds, registers(kernel, name)
 
 
-def router_sass(arch: int, scored: bool = False) -> list[str] | None:
+def router_sass(arch: int, scored: bool = False, late_trigger: bool = False) -> list[str] | None:
     """The whole route_kernel (one token, the Ling shape) as the engine launches it: from the logits
     GEMV's 10 split-K partials, or (scored) from the scores its last programs made
-    (SPARKCHAT_ROUTER_SCORES=1)."""
+    (SPARKCHAT_ROUTER_SCORES=1); late_trigger: letting stage 1 start after its stores
+    (SPARKCHAT_ROUTE_LATE_TRIGGER=1)."""
     from sparkchat.engine.kernels import router as r
 
     sig = {"logits_ptr": "*fp32", "bias_ptr": "*fp32", "ids_ptr": "*i64", "w_ptr": "*fp32", "scaling": "fp32"}
-    cx = dict(E=E, G=8, TG=4, K=K, KP=8, RENORM=True, T=1, SPLIT=10, PDL=True, SCORED=scored)
+    cx = dict(E=E, G=8, TG=4, K=K, KP=8, RENORM=True, T=1, SPLIT=10, PDL=True, SCORED=scored,
+              LATE_TRIGGER=late_trigger)
     return compile_sass(r.route_kernel, sig, cx, r.ROUTE_WARPS, arch)
 
 

@@ -226,3 +226,25 @@ def test_one_token_stages_with_the_shared_expert_compile_without_spills(arch):
     for stage, shared in ((1, 2), (2, 1), (2, 2)):
         kernel, _, name = s._moe_stage(vec, stage, arch, shared)
         assert s.stack_frame(kernel, name) in (0, None), (stage, shared, s.stack_frame(kernel, name))
+
+
+@pytest.mark.parametrize("arch", [90, 121])
+def test_the_top_k_can_let_stage_1_start_after_its_stores(arch):
+    """SPARKCHAT_ROUTE_LATE_TRIGGER=1: the top-k's one launch-dependents instruction moves after its
+    stores (the wait stays first), and the kernel is otherwise the same size."""
+    s = _tools()
+    early, late = s.router_sass(arch), s.router_sass(arch, late_trigger=True)
+    if early is None:
+        pytest.skip("no SASS for this arch from the bundled cuobjdump")
+
+    def order(sass):
+        ops = [s._op(i) for i in sass]
+        stores = [n for n, op in enumerate(ops) if op == "STG"]
+        trigger = [n for n, i in enumerate(sass) if "PREEXIT" in i]  # griddepcontrol.launch_dependents
+        return stores, trigger
+
+    stores, trigger = order(early)
+    assert len(trigger) == 1 and trigger[0] < stores[0], (trigger, stores)
+    stores, trigger = order(late)
+    assert len(trigger) == 1 and trigger[0] > stores[-1], (trigger, stores)
+    assert abs(len(late) - len(early)) <= 8

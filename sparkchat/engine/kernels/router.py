@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from sparkchat.engine.kernels.fp8_gemv import GemvConfig, plain_gemv_partials, router_scores, take_split_norm
-from sparkchat.engine.kernels.pdl import pdl_args, pdl_wait
+from sparkchat.engine.kernels.pdl import pdl_args, pdl_trigger, pdl_wait
 
 
 @triton.jit
@@ -47,11 +47,12 @@ def _ordered(x):
 def route_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, scaling,
                  E: tl.constexpr, G: tl.constexpr, TG: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
                  RENORM: tl.constexpr, T: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr = False,
-                 SCORED: tl.constexpr = False):
+                 SCORED: tl.constexpr = False, LATE_TRIGGER: tl.constexpr = False):
     """SCORED: logits_ptr holds the scores already (fp8_gemv.router_scores: [2, T, E], sigmoid and
-    sigmoid + bias); else SPLIT partial logits [SPLIT, T, E] to add in order (bias_ptr: the bias)."""
+    sigmoid + bias); else SPLIT partial logits [SPLIT, T, E] to add in order (bias_ptr: the bias).
+    LATE_TRIGGER: the routed experts' stage 1 may start only once the ids are stored (route_late_trigger)."""
     t = tl.program_id(0)
-    pdl_wait(PDL)
+    pdl_wait(PDL, LATE_TRIGGER)
     GS: tl.constexpr = E // G
     # [E] as [R, L, V]: V consecutive experts per lane (the loads' 16-byte vectors), L lanes, R repeats,
     # so that axes 0 and 2 are inside a thread: a lane's candidates reduce without data movement
@@ -109,6 +110,8 @@ def route_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, scaling,
         ws = ws / (tl.sum(ws, axis=0) + 1e-20)
     tl.store(ids_ptr + t * K + kr, ids.to(tl.int64), mask=kmask)
     tl.store(w_ptr + t * K + kr, ws * scaling, mask=kmask)
+    if LATE_TRIGGER:
+        pdl_trigger(PDL)
 
 
 def _interpreting() -> bool:
@@ -143,8 +146,18 @@ def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, groups: int
     w = torch.empty(T, top_k, dtype=torch.float32, device=x.device)
     route_kernel[(T,)](logits, bias, ids, w, float(scaling), E=E, G=groups, TG=top_groups, K=top_k,
                        KP=triton.next_power_of_2(top_k), RENORM=renormalize, T=T, SPLIT=logits.shape[0],
-                       SCORED=scored, num_warps=num_warps or ROUTE_WARPS, **pdl_args(x.device))
+                       SCORED=scored, LATE_TRIGGER=route_late_trigger(), num_warps=num_warps or ROUTE_WARPS,
+                       **pdl_args(x.device))
     return ids, w
+
+
+def route_late_trigger() -> bool:
+    """SPARKCHAT_ROUTE_LATE_TRIGGER=1: the top-k lets the routed experts' stage 1 launch only after it
+    has stored the ids, not as soon as it starts. Stage 1's programs cannot load a weight before the ids
+    anyway, but resident early (about one GPU's worth at one token) they hold the SMs that the side
+    stream's shared-expert down GEMV, ready about then, needs: it runs only as stage 1 ends, and stage 2,
+    joined to it, starts late (session 23's timeline). Opt-in until timed."""
+    return os.environ.get("SPARKCHAT_ROUTE_LATE_TRIGGER", "0") == "1"
 
 
 def router_scores_enabled() -> bool:
