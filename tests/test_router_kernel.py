@@ -160,3 +160,16 @@ def test_router_scores_made_by_the_gemv_route_as_the_top_k_kernel_does():
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed (CPU-only CI)")
 def test_router_kernel_lane_best_ties_with_scores_from_the_gemv():
     run_script(LANE_TIES_SCRIPT, SPARKCHAT_ROUTER_SCORES="1")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
+def test_late_trigger_is_opt_in_and_off_where_stage_1_runs_the_shared_expert(monkeypatch):
+    from sparkchat.engine.kernels.router import route_late_trigger
+
+    monkeypatch.delenv("SPARKCHAT_MOE_SHARED", raising=False)
+    monkeypatch.delenv("SPARKCHAT_ROUTE_LATE_TRIGGER", raising=False)
+    assert not route_late_trigger(1)
+    monkeypatch.setenv("SPARKCHAT_ROUTE_LATE_TRIGGER", "1")
+    assert route_late_trigger(1) and route_late_trigger(4)
+    monkeypatch.setenv("SPARKCHAT_MOE_SHARED", "2")  # one token: stage 1's shared programs run during the top-k
+    assert not route_late_trigger(1) and route_late_trigger(4)

@@ -146,17 +146,21 @@ def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, groups: int
     w = torch.empty(T, top_k, dtype=torch.float32, device=x.device)
     route_kernel[(T,)](logits, bias, ids, w, float(scaling), E=E, G=groups, TG=top_groups, K=top_k,
                        KP=triton.next_power_of_2(top_k), RENORM=renormalize, T=T, SPLIT=logits.shape[0],
-                       SCORED=scored, LATE_TRIGGER=route_late_trigger(), num_warps=num_warps or ROUTE_WARPS,
+                       SCORED=scored, LATE_TRIGGER=route_late_trigger(T), num_warps=num_warps or ROUTE_WARPS,
                        **pdl_args(x.device))
     return ids, w
 
 
-def route_late_trigger() -> bool:
+def route_late_trigger(T: int) -> bool:
     """SPARKCHAT_ROUTE_LATE_TRIGGER=1: the top-k lets the routed experts' stage 1 launch only after it
     has stored the ids, not as soon as it starts. Stage 1's programs cannot load a weight before the ids
     anyway, but resident early (about one GPU's worth at one token) they hold the SMs that the side
     stream's shared-expert down GEMV, ready about then, needs: it runs only as stage 1 ends, and stage 2,
-    joined to it, starts late (session 23's timeline). Opt-in until timed."""
+    joined to it, starts late (session 23's timeline). Not where stage 1 runs the shared expert itself
+    (SPARKCHAT_MOE_SHARED=2, one token): its shared programs do their work during the top-k. Opt-in
+    until timed."""
+    if os.environ.get("SPARKCHAT_MOE_SHARED", "0") == "2" and T == 1:
+        return False
     return os.environ.get("SPARKCHAT_ROUTE_LATE_TRIGGER", "0") == "1"
 
 
