@@ -59,10 +59,12 @@ tests() {
         | tee "$OUT/kernels.txt"
 }
 
-# The 16-byte MoE stages' block shapes, timed inside the graphed step; then the MoE alone.
+# The 16-byte MoE stages' block shapes and the one-token KDA launch, timed inside the graphed step;
+# then the MoE alone.
 configs() {
     timeout 400 python3 benchmarks/profile_step.py --rounds 2 \
         --switch "SPARKCHAT_MOE_CONFIG=T1.bkw1:32,T1.bn1:8/T1.warps1:4,T1.maxnreg1:0,T4.bn1:8/T4.warps1:4,T4.bn2:16/T4.warps2:2" \
+        --switch SPARKCHAT_KDA_LAUNCH1=8x2,2x4,4x2,2x8 \
         2>&1 | tee "$OUT/configs.txt"
     timeout 150 python3 benchmarks/bench_kernels.py --only moe 2>&1 | tee "$OUT/moe.txt"
 }

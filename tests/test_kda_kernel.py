@@ -31,6 +31,7 @@ CASES = [
     (8, 2, 16, True, True, 1, 4, torch.bfloat16),  # MAX_TOKENS
     (5, 2, 32, True, True, 4, 4, torch.bfloat16),  # value columns split over programs
     (1, 2, 32, False, False, 2, 4, torch.bfloat16),
+    (1, 2, 32, True, False, 8, 4, torch.bfloat16),  # SPARKCHAT_KDA_LAUNCH1=8x2's split
     (5, 2, 16, False, True, 1, 2, torch.bfloat16),  # other conv sizes (T < K-1 and T > K-1)
     (3, 2, 16, True, True, 2, 3, torch.bfloat16),
     (2, 2, 32, False, True, 1, 4, torch.float32),  # no rounding at all
@@ -257,3 +258,16 @@ def test_kda_kernel_on_cuda():
                  (1, 32, 128, True, False, 4, 4, torch.bfloat16), (5, 32, 128, False, True, 4, 4, torch.bfloat16)]:
         bad = compare(case, "cuda", seed=1)
         assert not bad, (case, bad)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed")
+def test_one_token_launch_override_applies_to_plain_one_token_steps_only(monkeypatch):
+    from sparkchat.engine.kernels import kda_decode as kd
+
+    monkeypatch.delenv("SPARKCHAT_KDA_LAUNCH1", raising=False)
+    assert kd.one_token_launch() == kd.LAUNCH
+    monkeypatch.setenv("SPARKCHAT_KDA_LAUNCH1", "8x2")
+    assert kd.one_token_launch() == (8, 2)
+    monkeypatch.setenv("SPARKCHAT_KDA_LAUNCH1", "8")
+    with pytest.raises(ValueError, match="8x1"):
+        kd.one_token_launch()

@@ -264,7 +264,7 @@ def kda_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tenso
     beta_logit None, the kernel computes beta's logits itself."""
     T, D = q.shape
     K = conv_w.shape[1]
-    nb, nw = LAUNCH
+    nb, nw = LAUNCH if keep_steps or T != 1 else one_token_launch()
     dv_blocks, num_warps = dv_blocks or nb, num_warps or nw
     if not keep_steps and (T > MAX_TOKENS or chunked) and T <= PROMPT_WINDOWS_MAX_TOKENS and prompt_windows_enabled():
         return _in_windows(q, k, v, f, beta_logit, out_gate, conv_state, recurrent, conv_w, A_log, dt_bias, o_norm_w,
@@ -305,6 +305,21 @@ def kda_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tenso
         T=T, H=heads, DH=head_dim, KC=K, NB=dv_blocks, SAFE_GATE=bool(safe_gate), KEEP=bool(keep_steps),
         num_warps=num_warps, **fold, **pdl_args(q.device))
     return o, window, steps
+
+
+def one_token_launch() -> tuple[int, int]:
+    """(programs a head, warps) for a one-token step: LAUNCH, or SPARKCHAT_KDA_LAUNCH1=NBxW (e.g. 8x1) to
+    time other shapes in the graphed step. With one warp a program, the reductions over a head's key
+    rows (its norms, k·S, q·S) stay inside the warp, with no shared-memory round trip: the chain after
+    the PDL wait is what the step pays (5.3 us a layer exposed on the H200, session 23). Verify windows
+    keep LAUNCH: kda_commit must replay them in the very same order."""
+    spec = os.environ.get("SPARKCHAT_KDA_LAUNCH1", "")
+    if spec in ("", "0"):
+        return LAUNCH
+    nb, _, warps = spec.partition("x")
+    if not (nb.isdigit() and warps.isdigit() and int(nb) >= 1 and int(warps) >= 1):
+        raise ValueError(f"SPARKCHAT_KDA_LAUNCH1={spec!r}: want programs-a-head x warps, e.g. 8x1")
+    return int(nb), int(warps)
 
 
 def prompt_windows_enabled() -> bool:
