@@ -309,10 +309,11 @@ def kda_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tenso
 
 def one_token_launch() -> tuple[int, int]:
     """(programs a head, warps) for a one-token step: LAUNCH, or SPARKCHAT_KDA_LAUNCH1=NBxW (e.g. 8x1) to
-    time other shapes in the graphed step. With one warp a program, the reductions over a head's key
-    rows (its norms, k·S, q·S) stay inside the warp, with no shared-memory round trip: the chain after
-    the PDL wait is what the step pays (5.3 us a layer exposed on the H200, session 23). Verify windows
-    keep LAUNCH: kda_commit must replay them in the very same order."""
+    time other shapes in the graphed step: the chain after the PDL wait is what the step pays (5.3 us a
+    layer exposed on the H200, session 23), mostly reductions over a head's key rows (its norms, k·S,
+    q·S) that cross warps when a program has several (one warp a program keeps them in the warp but
+    needs 255 registers and spills: docs/benchmarks.md session 24). Verify windows keep LAUNCH:
+    kda_commit must replay them in the very same order."""
     spec = os.environ.get("SPARKCHAT_KDA_LAUNCH1", "")
     if spec in ("", "0"):
         return LAUNCH
