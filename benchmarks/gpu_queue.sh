@@ -47,6 +47,15 @@ ab() {
 # The whole GPU path against the reference with each candidate on, and the split norms' kernel tests.
 tests() {
     local sw
+    # the tiny models once for every run below (the test's fixture takes them prebuilt)
+    export SPARKCHAT_GPU_MODELS=/tmp/sparkchat-gpu-models
+    python3 -c "
+from pathlib import Path
+from tests.conftest import make_model_dir
+from tests.tiny import make_draft_agree
+root = Path('$SPARKCHAT_GPU_MODELS')
+make_model_dir(root / 'random')
+make_draft_agree(make_model_dir(root / 'agree', seed=3))" || return 1
     for sw in SPARKCHAT_DEFAULTS=1 SPARKCHAT_SHARED_ADD_LATE=1 SPARKCHAT_MOE_ADD_NORM=2 \
               SPARKCHAT_SPLIT_MOE_INPUT_NORM=1 SPARKCHAT_MOE_SHARED=1 SPARKCHAT_MOE_SHARED=2 \
               SPARKCHAT_ROUTE_LATE_TRIGGER=1 \
