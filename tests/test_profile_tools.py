@@ -1,10 +1,13 @@
-"""The timeline arithmetic of benchmarks/profile_step.py (CPU): GEMV roles and exposed time."""
+"""The developer tools on the CPU: profile_step's timeline arithmetic (GEMV roles, exposed time), its switch
+alternation and logits check, and the switches benchmarks/gpu_queue.sh sets."""
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -108,3 +111,18 @@ def test_the_gpu_queue_names_only_switches_the_code_reads():
                      if p.name != "test_profile_tools.py")
     unread = sorted(n for n in names if f'"{n}"' not in code)
     assert not unread, unread
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
+def test_the_gpu_queue_moe_configs_parse(monkeypatch):
+    """Each SPARKCHAT_MOE_CONFIG value the queue alternates names real MoeConfig fields (a typo raises)."""
+    import re
+
+    from sparkchat.engine.kernels.mxfp4_moe import moe_config_overrides
+
+    queue = (Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_queue.sh").read_text()
+    specs = re.findall(r"SPARKCHAT_MOE_CONFIG=([^\s\"]+)", queue)
+    assert specs
+    for value in (v for spec in specs for v in spec.split(",")):
+        monkeypatch.setenv("SPARKCHAT_MOE_CONFIG", value)
+        assert moe_config_overrides(1) or moe_config_overrides(4), value
