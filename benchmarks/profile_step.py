@@ -334,8 +334,8 @@ _STARTS: dict[int, object] = {}  # id(state) -> its StateCheckpoint at step_logi
 
 def step_logits(model, state: ConversationState, tokens: int = 1) -> torch.Tensor:
     """The graphed step's logits (a verify's when tokens > 1, fp32 [T, V]) at context 1024 from the
-    state the model's first call here left (kept on the state, restored before and after), so that
-    every variant answers the same question."""
+    state saved at the first call for this state (restored before and after), so that every variant
+    answers the same question."""
     state.token_ids = [0] * 1024
     start = _STARTS.setdefault(id(state), state.checkpoint())
     state.restore(start)

@@ -410,6 +410,13 @@ def main() -> None:
                     kind += (", packed act" if stage == 2 else ", packed x (from the norm)") if act else ""
                     report(f"mxfp4_moe T={T} stage {stage} {kind} (k loop)", body, weights)
         moe_shared_report(arch)
+        for programs, warps in ((4, 4), (4, 2), (8, 2), (2, 4), (8, 1)):  # SPARKCHAT_KDA_LAUNCH1
+            kernel = kda_step(arch, 1, programs, warps)
+            sass = disassemble(kernel, "kda_decode_kernel")
+            size = f", {len(sass)} instructions, {sum('BAR' in i for i in sass)} barriers" if sass else ""
+            print(f"  kda_decode T=1, {programs} programs a head x {warps} warps: "
+                  f"{registers(kernel, 'kda_decode_kernel')} registers, "
+                  f"{stack_frame(kernel, 'kda_decode_kernel')} bytes of stack{size}")
         for label, (regs, stack) in split_norm_kernels(arch).items():  # SPARKCHAT_MOE_ADD_NORM=2 and the like
             print(f"  split norm: {label}: {regs} registers, {stack} bytes of stack")
         report("route_kernel (whole kernel, one warp)", router_sass(arch))

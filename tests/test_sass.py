@@ -248,3 +248,15 @@ def test_the_top_k_can_let_stage_1_start_after_its_stores(arch):
     stores, trigger = order(late)
     assert len(trigger) == 1 and trigger[0] > stores[-1], (trigger, stores)
     assert abs(len(late) - len(early)) <= 8
+
+
+@pytest.mark.parametrize("arch", [90, 121])
+def test_kda_layer_compiles_without_spills_as_launched(arch):
+    """kda_decode as a Ling KDA layer launches it — one token with the default launch shape and the
+    4-token verify that keeps its inputs — holds its state in registers without a stack."""
+    s = _tools()
+    from sparkchat.engine.kernels.kda_decode import LAUNCH
+
+    for T, keep in ((1, False), (4, True)):
+        kernel = s.kda_step(arch, T, *LAUNCH, keep=keep)
+        assert s.stack_frame(kernel, "kda_decode_kernel") in (0, None), (T, s.stack_frame(kernel, "kda_decode_kernel"))
