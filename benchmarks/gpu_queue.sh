@@ -44,9 +44,12 @@ ab() {
         --rounds 3 2>&1 | tee "$OUT/ab.txt"
 }
 
-# The whole GPU path against the reference with each candidate on, and the split norms' kernel tests.
+# The split norms' kernel tests, then the whole GPU path against the reference with each candidate on.
 tests() {
     local sw
+    timeout 120 python3 -m pytest -q tests/test_kernels.py \
+        -k "finished_by_the_router_gpu or finishing_the_moe_norm_gpu or add_rms_norm_gpu" 2>&1 | tail -15 \
+        | tee "$OUT/kernels.txt"
     # the tiny models once for every run below (the test's fixture takes them prebuilt)
     export SPARKCHAT_GPU_MODELS=/tmp/sparkchat-gpu-models
     python3 -c "
@@ -64,9 +67,6 @@ make_draft_agree(make_model_dir(root / 'agree', seed=3))" || return 1
         # shellcheck disable=SC2086  # $sw holds several assignments
         env $sw timeout 150 python3 -m pytest -q -x tests/test_gpu_engine.py -k fast_path_matches 2>&1 | tail -4
     done 2>&1 | tee "$OUT/engine.txt"
-    timeout 150 python3 -m pytest -q tests/test_kernels.py \
-        -k "finished_by_the_router_gpu or finishing_the_moe_norm_gpu or add_rms_norm_gpu" 2>&1 | tail -15 \
-        | tee "$OUT/kernels.txt"
 }
 
 # The 16-byte MoE stages' block shapes and the one-token KDA launch, timed inside the graphed step;
