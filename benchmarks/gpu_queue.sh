@@ -59,11 +59,11 @@ from tests.tiny import make_draft_agree
 root = Path('$SPARKCHAT_GPU_MODELS')
 make_model_dir(root / 'random')
 make_draft_agree(make_model_dir(root / 'agree', seed=3))" || return 1
-    for sw in SPARKCHAT_DEFAULTS=1 SPARKCHAT_SHARED_ADD_LATE=1 SPARKCHAT_MOE_ADD_NORM=2 \
+    for sw in "" SPARKCHAT_SHARED_ADD_LATE=1 SPARKCHAT_MOE_ADD_NORM=2 \
               SPARKCHAT_SPLIT_MOE_INPUT_NORM=1 SPARKCHAT_MOE_SHARED=1 SPARKCHAT_MOE_SHARED=2 \
               SPARKCHAT_ROUTE_LATE_TRIGGER=1 \
               "SPARKCHAT_SPLIT_MOE_INPUT_NORM=1 SPARKCHAT_MOE_ADD_NORM=2 SPARKCHAT_SHARED_ADD_LATE=1 SPARKCHAT_MOE_SHARED=2"; do
-        echo "== $sw"
+        echo "== ${sw:-the defaults}"
         # shellcheck disable=SC2086  # $sw holds several assignments
         env $sw timeout 150 python3 -m pytest -q -x tests/test_gpu_engine.py -k fast_path_matches 2>&1 | tail -4
     done 2>&1 | tee "$OUT/engine.txt"
