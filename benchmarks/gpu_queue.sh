@@ -2,7 +2,7 @@
 # The GPU runs waiting for a development GPU, as named batches, so a lent machine starts on them at once.
 #
 #   bash benchmarks/gpu_queue.sh wheels        # here (with package registries): the wheels the GPU box lacks
-#   bash benchmarks/gpu_queue.sh ab|tests|configs|bench   # on the GPU box, logs under $OUT (default ./gpu-out)
+#   bash benchmarks/gpu_queue.sh ab|tests|configs|bench|load   # on the GPU box, logs under $OUT (default ./gpu-out)
 #
 # The GPU box has torch, triton and transformers, but not this project's other dependencies, nor the
 # transformers the tiny test models need (5.24), and it cannot fetch: `wheels` downloads them into .whl2/
@@ -85,8 +85,14 @@ bench() {
     timeout 120 python3 benchmarks/profile_step.py --timeline --tokens 4 2>&1 | tee "$OUT/timeline-verify.txt"
 }
 
+load() {  # the checkpoint reader to the GPU: mmap vs plain reads, and the page cache each leaves
+    TMPDIR=/var/tmp timeout 400 python3 benchmarks/checkpoint_read.py --gb 8 --shard-gb 2 --device cuda \
+        2>&1 | tee "$OUT/checkpoint-read.txt"
+    timeout 150 python3 -m pytest -q tests/test_checkpoint_reader.py 2>&1 | tee "$OUT/load-tests.txt"
+}
+
 case "${1:-}" in
     wheels) wheels ;;
-    ab|tests|configs|bench) install_wheels; "$1" ;;
-    *) echo "usage: $0 wheels|ab|tests|configs|bench" >&2; exit 2 ;;
+    ab|tests|configs|bench|load) install_wheels; "$1" ;;
+    *) echo "usage: $0 wheels|ab|tests|configs|bench|load" >&2; exit 2 ;;
 esac

@@ -90,6 +90,17 @@ def available_memory_bytes() -> int:
     return host_memory()[1]
 
 
+def is_unified_memory(device: Any) -> bool:
+    """Whether `device` is a GPU sharing its memory with the CPU (GB10 / DGX Spark)."""
+    import torch
+
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _is_unified(torch.cuda.get_device_name(index), torch.cuda.get_device_properties(index))
+
+
 def _is_unified(name: str, props: Any = None) -> bool:
     return "GB10" in name or bool(getattr(props, "is_integrated", False))
 

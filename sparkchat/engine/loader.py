@@ -120,9 +120,9 @@ class _Loader:
                 ("down_proj", (H, I), ex.w2, ex.w2_scale, slice(0, H)),
             ):
                 name = f"{p}.{e}.{proj}"
-                if mxfp4_ckpt:
-                    dst[e, sl] = self.r.get(f"{name}.weight", (shape[0], shape[1] // 2)).view(torch.uint8)
-                    dst_scale[e, sl] = self._expert_scale(name, (shape[0], shape[1] // 32))
+                if mxfp4_ckpt:  # straight into the expert's rows: no tensor of its own on the device
+                    self._read_expert(f"{name}.weight", (shape[0], shape[1] // 2), dst[e, sl])
+                    self._read_expert(self._expert_scale_name(name), (shape[0], shape[1] // 32), dst_scale[e, sl])
                 elif self.quantize_experts:
                     from sparkchat.engine.quant import quant_mxfp4
 
@@ -131,9 +131,15 @@ class _Loader:
                 else:
                     dst[e, sl] = self.plain(f"{name}.weight", shape)
 
-    def _expert_scale(self, name: str, shape: tuple[int, int]) -> torch.Tensor:
-        key = f"{name}.weight_scale_inv" if f"{name}.weight_scale_inv" in self.r else f"{name}.weight_scale"
-        return self.r.get(key, shape).view(torch.uint8)
+    def _expert_scale_name(self, name: str) -> str:
+        return f"{name}.weight_scale_inv" if f"{name}.weight_scale_inv" in self.r else f"{name}.weight_scale"
+
+    def _read_expert(self, name: str, shape: tuple[int, int], dst: torch.Tensor) -> None:
+        info = self.r.info(name)
+        if info.shape != shape or DTYPE_BYTES.get(info.dtype) != 1:
+            raise ModelError(f"tensor {name} in {info.file.name} is {info.dtype} {list(info.shape)}, "
+                             f"the config needs one byte per entry in {list(shape)}")
+        self.r.read_into(name, dst)
 
 
 def _check_expert_dims(cfg: ModelConfig) -> None:
@@ -180,8 +186,11 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, device: torch.device | s
     If the config promises an MTP layer that the checkpoint lacks, the model loads without one
     (speculative decoding then reports itself unavailable).
     """
+    from sparkchat.engine.capabilities import is_unified_memory
+
     device = torch.device(device)
-    reader = CheckpointReader(model_dir, device)
+    # on shared memory the page cache of what was read is a second copy of the weights: drop it
+    reader = CheckpointReader(model_dir, device, drop_page_cache=is_unified_memory(device))
     if available_memory is None:
         from sparkchat.engine.capabilities import available_memory_bytes
 
