@@ -39,6 +39,14 @@ def test_cuda_without_triton_or_old_gpu():
     assert "dequantized" in old["fp8_head"].reason and old["cuda_graphs"].available
 
 
+def test_a_gpu_triton_cannot_compile_for_turns_the_kernels_and_graphs_off_with_the_reason():
+    why = "Triton cannot compile for sm_121 (ptxas fatal : ...); point TRITON_PTXAS_BLACKWELL_PATH at ..."
+    t = caps.optimizations(cuda=True, compute_capability=(12, 1), triton_ok=True, has_mtp=True, compile_error=why)
+    assert t["mxfp4_kernels"].available is False and t["mxfp4_kernels"].reason == why
+    assert t["cuda_graphs"].available is False and t["cuda_graphs"].reason.endswith(why)
+    assert t["fp8_head"].available and t["mtp"].available  # the torch path keeps these
+
+
 def test_no_torch_makes_everything_unavailable():
     t = caps.optimizations(cuda=False, compute_capability=None, triton_ok=False, torch_error="PyTorch is not usable")
     assert all(a.available is False and a.reason == "PyTorch is not usable" for a in t.values())

@@ -164,9 +164,14 @@ def detect(has_mtp: bool | None = None) -> Capabilities:
         free_memory_bytes=int(free),
         unified_memory=unified,
     )
+    compile_error = None
+    if cuda and triton_ok and cc is not None:
+        from sparkchat.engine.kernels.compile_check import compile_failure
+
+        compile_error = compile_failure(10 * cc[0] + cc[1])
     caps.optimizations = optimizations(
         cuda=cuda, compute_capability=cc, triton_ok=triton_ok, triton_error=triton_error,
-        has_mtp=has_mtp, torch_error=torch_error,
+        has_mtp=has_mtp, torch_error=torch_error, compile_error=compile_error,
     )
     return caps
 
@@ -196,8 +201,10 @@ def optimizations(
     triton_error: str | None = None,
     has_mtp: bool | None = None,
     torch_error: str | None = None,
+    compile_error: str | None = None,
 ) -> dict[str, Availability]:
-    """The availability table, from facts already gathered (pure, so it is easy to test)."""
+    """The availability table, from facts already gathered (pure, so it is easy to test).
+    `compile_error`: why Triton cannot build kernels for this GPU (kernels.compile_check), if it cannot."""
     out: dict[str, Availability] = {}
     if torch_error:
         for key in OPTIMIZATIONS:
@@ -211,6 +218,8 @@ def optimizations(
     elif compute_capability is not None and compute_capability < (8, 0):
         out["mxfp4_kernels"] = Availability(False, f"needs compute capability 8.0+, this GPU is "
                                                    f"{compute_capability[0]}.{compute_capability[1]}")
+    elif compile_error:
+        out["mxfp4_kernels"] = Availability(False, compile_error)
     else:
         out["mxfp4_kernels"] = Availability(True)
 
@@ -228,7 +237,12 @@ def optimizations(
     else:
         out["mtp"] = Availability(True)
 
-    out["cuda_graphs"] = Availability(True) if cuda else Availability(False, "needs a CUDA GPU")
+    if not cuda:
+        out["cuda_graphs"] = Availability(False, "needs a CUDA GPU")
+    elif compile_error:  # the graphs capture the kernels' step
+        out["cuda_graphs"] = Availability(False, f"CUDA graphs need the GPU kernels: {compile_error}")
+    else:
+        out["cuda_graphs"] = Availability(True)
 
     # the top-N draft head drafts through MTP, so it follows the model's MTP layer
     if has_mtp is None:

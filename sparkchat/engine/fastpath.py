@@ -32,12 +32,21 @@ def kernels_unavailable_reason(device: torch.device, dtype: torch.dtype) -> str 
     if dtype != torch.bfloat16:
         return f"the kernels run bfloat16 activations; this engine runs {str(dtype).removeprefix('torch.')}"
     try:
-        import triton  # noqa: F401
-
         from sparkchat.engine.kernels import fp8_gemv, kda_decode, mla_decode, mxfp4_moe  # noqa: F401
     except ImportError as e:
         return f"Triton is not importable: {e}"
-    return None
+    return triton_unavailable_reason(device)
+
+
+def triton_unavailable_reason(device: torch.device) -> str | None:
+    """None when Triton can build kernels for this CUDA device (ours, Inductor's, fla-core's), else why
+    not in one line: not installed, or its ptxas does not know the GPU (kernels.compile_check)."""
+    try:
+        from sparkchat.engine.kernels.compile_check import compile_failure
+    except ImportError as e:
+        return f"Triton is not importable: {e}"
+    major, minor = torch.cuda.get_device_capability(device)
+    return compile_failure(10 * major + minor)
 
 
 class ExpertsKernel:

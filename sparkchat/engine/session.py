@@ -99,7 +99,7 @@ class Engine:
         model = load_model(path, cfg, dev, dt, max_context, quantize_experts=quantize_experts, progress=progress)
         if dev.type == "cpu":
             cache_dequantized(model)
-        else:
+        elif _triton_builds_here(dev):  # else the torch path, uncompiled: it still answers
             from sparkchat.engine.kernels.kda_prefill import warm_up
             from sparkchat.engine.nn.ops import enable_compile
 
@@ -281,3 +281,9 @@ class Engine:
         if self.device.type == "cuda":
             return int(torch.cuda.max_memory_allocated(self.device))
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _triton_builds_here(device: torch.device) -> bool:
+    from sparkchat.engine.fastpath import triton_unavailable_reason
+
+    return triton_unavailable_reason(device) is None
