@@ -56,6 +56,7 @@ def test_every_dtype_reads_back_as_safetensors_loads_it(tmp_path):
     for name, want in expected.items():
         got = reader.get(name, tuple(want.shape))
         assert _same_bytes(got, want), name
+    assert reader.bytes_read == reader.bytes_total == sum(t.numel() * t.element_size() for t in tensors.values())
     reader.close()
 
 

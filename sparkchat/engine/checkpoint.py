@@ -136,6 +136,8 @@ class CheckpointReader:
                     self.tensors[name] = TensorInfo(path, info["dtype"], tuple(info["shape"]), start + lo, hi - lo)
         self._files: dict[Path, Any] = {}
         self._staging: torch.Tensor | None = None
+        self.bytes_total = sum(t.nbytes for t in self.tensors.values())
+        self.bytes_read = 0
         if self.drop_page_cache:  # e.g. a download's pages, before any weight is allocated
             for path in {t.file for t in self.tensors.values()}:
                 self._drop(self._open(path), 0, 0)
@@ -175,6 +177,7 @@ class CheckpointReader:
             self._read(raw, info, info.offset, dst_bytes)
         else:
             self._read_staged(raw, info, dst_bytes)
+        self.bytes_read += info.nbytes
         if self.drop_page_cache:
             lo, hi = self._mark_done(info.file, info.offset, info.offset + info.nbytes)
             self._drop(raw, lo, hi - lo)

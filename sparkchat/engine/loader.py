@@ -22,7 +22,7 @@ from sparkchat.engine.nn.linear import Linear
 from sparkchat.engine.nn.mla import MultiLatentAttention
 from sparkchat.engine.nn.moe import MLP, Experts, MoE
 
-Progress = Callable[[int, int], None]  # (layers done, layers total)
+Progress = Callable[[int, int], None]  # (checkpoint bytes read, bytes to read), after each layer
 
 _FP8_DTYPES = {"F8_E4M3"}
 _MXFP4_DTYPES = {"U8", "I8"}
@@ -205,18 +205,23 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, device: torch.device | s
     model = LingModel(cfg, max_context, device)
     ld = _Loader(reader, cfg, device, dtype, quantize_experts)
     H, V = cfg.hidden_size, cfg.vocab_size
+
+    def report() -> None:
+        if progress:
+            progress(reader.bytes_read, reader.bytes_total)
+
     model.embed = ld.plain("model.word_embeddings.weight", (V, H))
-    total = cfg.num_hidden_layers + (1 if model.mtp else 0)
+    report()
     for layer in model.layers:
         p = f"model.layers.{layer.idx}"
         ld.norm(layer.input_layernorm, f"{p}.input_layernorm.weight")
         ld.norm(layer.post_attention_layernorm, f"{p}.post_attention_layernorm.weight")
         (ld.mla if layer.is_mla else ld.kda)(layer.attention, f"{p}.attention")
         (ld.moe if isinstance(layer.mlp, MoE) else ld.mlp)(layer.mlp, f"{p}.mlp")
-        if progress:
-            progress(layer.idx + 1, total)
+        report()
     ld.norm(model.norm, "model.norm.weight")
     model.lm_head.weight = ld.plain("lm_head.weight", (V, H))
+    report()
     if model.mtp is not None:
         m, p = model.mtp, mtp_prefix
         for n in ("enorm", "hnorm", "input_layernorm", "post_attention_layernorm", "final_layernorm"):
@@ -224,8 +229,8 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, device: torch.device | s
         ld.linear(m.eh_proj, f"{p}.eh_proj")
         ld.mla(m.attention, f"{p}.attention")
         ld.moe(m.mlp, f"{p}.mlp")
-        if progress:
-            progress(total, total)
     reader.close()
+    if progress:  # done: a tensor the model has no use for (an MTP layer the config leaves out) stays unread
+        progress(reader.bytes_read, reader.bytes_read)
     model.fuse_projections()
     return model.to(device)

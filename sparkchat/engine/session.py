@@ -85,7 +85,8 @@ class Engine:
              progress: Callable[[int, int], None] | None = None,
              stage: Callable[[str], None] | None = None) -> "Engine":
         """Load a model directory (config.json, safetensors, tokenizer.json, chat template). `progress`
-        hears the layers loaded; `stage`, a line for each slow step after them (compiling kernels)."""
+        hears (bytes read, bytes to read) as the layers load; `stage`, a line for each slow step after
+        them (compiling kernels)."""
         path = Path(model_dir).expanduser()
         cfg = ModelConfig.from_dir(path)
         tokenizer = ChatTokenizer.from_dir(path)

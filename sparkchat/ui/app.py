@@ -34,7 +34,7 @@ from sparkchat.ui.screens.bench import BenchScreen
 from sparkchat.ui.screens.chat import ChatScreen
 from sparkchat.ui.screens.models import ModelsScreen
 
-# () or (progress=callback(layers_done, layers_total), stage=callback(text)), either keyword optional -> engine
+# () or (progress=callback(bytes_read, bytes_total), stage=callback(text)), either keyword optional -> engine
 EngineFactory = Callable[..., Any]
 ENGINE_SWITCH_INTERVAL_S = 0.001
 
@@ -69,7 +69,7 @@ class SparkchatApp(App[None]):
         self.bench_screen: BenchScreen | None = None
         self.load_options = {"device": device, "dtype": dtype, "max_context": max_context}  # for model switches
         self.model_dir: Path | None = None  # the folder being loaded or loaded, when the app loaded it
-        self.load_progress: tuple[int, int] | None = None  # (layers done, layers total) while loading
+        self.load_progress: tuple[int, int] | None = None  # (bytes read, bytes to read) while loading
         self.load_stage: str | None = None  # the slow step after the layers, while it runs
         self.bench_running = False
         self._default_after_load: str | None = None  # the `model` setting to save once a switch has loaded
@@ -213,7 +213,7 @@ class SparkchatApp(App[None]):
 
     def switch_model(self, model_dir: str | os.PathLike[str], label: str, *, setting: str | None = None) -> bool:
         """Unload the engine and load `model_dir` in its place (same device, dtype and context), in the
-        background; LoadProgress reports the layers. Once it has loaded, it becomes the default model
+        background; LoadProgress reports the bytes read. Once it has loaded, it becomes the default model
         (the settings' `model`: `setting` when given, e.g. a Hub repo id, else the folder). False (and a
         notice) when the engine is busy."""
         busy = self.engine_busy()
@@ -304,7 +304,7 @@ def engine_thread_settings() -> Iterator[None]:
 
 
 def engine_loader(path: Path, *, device: str = "auto", dtype: str = "auto", max_context: int = 8192) -> EngineFactory:
-    """A factory that loads the model in `path`, reporting layers to `progress` and slow steps to `stage`."""
+    """A factory that loads the model in `path`, reporting bytes read to `progress` and slow steps to `stage`."""
     def load(progress: Callable[[int, int], None] | None = None, stage: Callable[[str], None] | None = None) -> Any:
         from sparkchat.engine import Engine  # torch loads here, inside the worker
 

@@ -48,7 +48,7 @@ class StreamDone(Message):
 
 
 class LoadProgress(Message):
-    """A model switch: `done` of `total` layers loaded."""
+    """A model switch: `done` of `total` checkpoint bytes read."""
 
     def __init__(self, done: int, total: int) -> None:
         super().__init__()

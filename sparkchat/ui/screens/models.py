@@ -2,7 +2,7 @@
 
 Listing, downloading and deleting run in thread workers that only post messages (ModelsListed,
 DownloadProgress, DownloadDone); loading goes through the app's own loader (`SparkchatApp.switch_model`),
-which reports layers as LoadProgress. A download goes on while other screens are shown; a cancel sets
+which reports the bytes read as LoadProgress. A download goes on while other screens are shown; a cancel sets
 its event and the hub stops at the next chunk (finished files stay in the cache).
 """
 
@@ -100,7 +100,7 @@ class ModelsScreen(Screen[None]):
                 yield Label("enter loads · d deletes · r refreshes", classes="models-hint")
             yield ModelTable(id="model-table", cursor_type="row", zebra_stripes=True)
             yield Static("", id="model-detail", markup=False)
-            yield TransferProgress(unit="layers", id="load-progress")
+            yield TransferProgress(id="load-progress")
             with Horizontal(classes="models-section-row"):
                 yield Label("Download from the Hugging Face Hub", classes="models-section")
                 yield Label("safetensors, configs and tokenizer only · resumable", classes="models-hint")
@@ -108,7 +108,7 @@ class ModelsScreen(Screen[None]):
                 yield Input(placeholder=f"owner/name, e.g. {SUGGESTED_REPO}", id="repo-id")
                 yield Button("Download", variant="primary", id="download", compact=True)
                 yield Button("Cancel  ^x", id="cancel-download", compact=True, disabled=True)
-            yield TransferProgress(unit="bytes", id="download-progress")
+            yield TransferProgress(id="download-progress")
             yield Static("", id="download-error", markup=False)
         yield Footer()
 

@@ -1,5 +1,5 @@
-"""A titled progress bar with a line of detail: bytes of a download (with speed and time left), or
-layers of a model load. Hidden until `start`; `finish` leaves a last line (done, cancelled, error)."""
+"""A titled progress bar with a line of detail: the bytes of a download or of a model load, with speed and
+time left. Hidden until `start`; `finish` leaves a last line (done, cancelled, error)."""
 
 from __future__ import annotations
 
@@ -65,7 +65,7 @@ def bytes_detail(done: int, total: int, rate: float | None) -> str:
 
 
 class TransferProgress(Vertical):
-    """Title, bar and detail for one long task. `unit`: "bytes" (speed, time left) or "layers"."""
+    """Title, bar and detail for one long task counted in bytes (speed, time left)."""
 
     DEFAULT_CSS = """
     TransferProgress {
@@ -97,9 +97,8 @@ class TransferProgress(Vertical):
     }
     """
 
-    def __init__(self, *, unit: str = "bytes", id: str | None = None) -> None:
+    def __init__(self, *, id: str | None = None) -> None:
         super().__init__(id=id)
-        self.unit = unit
         self.rates = RateWindow()
         self.done = 0
         self.total = 0
@@ -128,11 +127,7 @@ class TransferProgress(Vertical):
         self.done, self.total = done, total
         bar = self.query_one(ProgressBar)
         bar.update(total=total or None, progress=done)
-        if self.unit == "bytes":
-            detail = bytes_detail(done, total, self.rates.add(done))
-        else:
-            detail = f"{done} of {total} {self.unit}" if total else ""
-        self.query_one(".progress-detail", Static).update(detail)
+        self.query_one(".progress-detail", Static).update(bytes_detail(done, total, self.rates.add(done)))
 
     def finish(self, detail: str, *, error: bool = False, keep_bar: bool = False, title: str | None = None) -> None:
         """The task ended: one line of outcome; the bar stays (at its last value) only with `keep_bar`."""
