@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -126,3 +128,25 @@ def test_demo_model_is_the_default_when_nothing_is_configured(tmp_path):
     (tmp_path / "cfg" / "settings.toml").write_text('model = "someone/missing-model"\n')
     r = run_cli("ask", "hi", "--json", **env)
     _one_line_error(r, 3, "someone/missing-model")
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_a_terminal_sees_the_load_in_bytes_and_a_script_sees_nothing(tiny_model_dir, monkeypatch):
+    import argparse
+
+    from sparkchat.cli.ask import load_engine, terminal_load_progress
+
+    with terminal_load_progress("m") as progress:  # pytest's stderr is no terminal
+        assert progress is None
+    term = _Terminal()
+    monkeypatch.setattr(sys, "stderr", term)
+    args = argparse.Namespace(model=str(tiny_model_dir), device="cpu", dtype=None, max_context=64)
+    engine = load_engine(args)
+    assert engine.name == tiny_model_dir.name
+    shown = term.getvalue()
+    assert f"loading {tiny_model_dir.name}" in shown
+    assert re.search(r"[\d.]+/[\d.]+ [kMG]?B", shown)  # rich's byte column: done/total

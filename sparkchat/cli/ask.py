@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 THINK_END = "</think>"
@@ -85,14 +87,33 @@ def sampling_from(args: argparse.Namespace):
     return p.validate(flags=True)
 
 
-def load_engine(args: argparse.Namespace, progress=None):
+@contextmanager
+def terminal_load_progress(label: str) -> Iterator[Callable[[int, int], None] | None]:
+    """A byte bar on stderr while a model loads (tens of seconds for the real one), gone when it is done;
+    nothing when stderr is not a terminal, so scripts see only their output."""
+    if not sys.stderr.isatty():
+        yield None
+        return
+    from rich.console import Console
+    from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
+                               TransferSpeedColumn)
+
+    bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                   TimeRemainingColumn(), console=Console(stderr=True), transient=True)
+    task = bar.add_task(f"loading {label}", total=None)
+    with bar:
+        yield lambda done, total: bar.update(task, completed=done, total=total or None)
+
+
+def load_engine(args: argparse.Namespace):
     """The engine for --model (or the configured default), with the switch flags applied."""
     from sparkchat.cli.resolve import resolve_model
     from sparkchat.engine.session import Engine
 
     model_dir = resolve_model(args.model)
-    engine = Engine.load(model_dir, device=args.device or "auto", dtype=args.dtype or "auto",
-                         max_context=args.max_context or 8192, progress=progress)
+    with terminal_load_progress(model_dir.name) as progress:
+        engine = Engine.load(model_dir, device=args.device or "auto", dtype=args.dtype or "auto",
+                             max_context=args.max_context or 8192, progress=progress)
     sw = engine.switches
     for name in ("mtp", "draft_steps", "fp8_head", "mxfp4_kernels", "truncated_draft_head", "draft_vocab"):
         value = getattr(args, name, None)
