@@ -189,6 +189,8 @@ class SparkchatApp(App[None]):
         self.load_progress = (message.done, message.total)
         if self.models_screen is not None:
             self.models_screen.load_progress_changed()
+        if self.chat_screen is not None and self.chat_screen.is_attached:
+            self.chat_screen.refresh_state()
 
     def on_load_stage(self, message: LoadStage) -> None:
         if self.engine_status != "loading":

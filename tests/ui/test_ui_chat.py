@@ -355,6 +355,24 @@ async def test_engine_loads_in_the_background(make_app):
         assert loaded.set_switches_calls == [app.prefs.switches]  # saved switches reach the engine
 
 
+async def test_the_chat_shows_the_bytes_read_while_the_model_loads(make_app):
+    release = threading.Event()
+    loaded = FakeEngine(["hi"])
+
+    def factory(progress, stage):
+        progress(31_200_000_000, 68_900_000_000)
+        release.wait(10)
+        return loaded
+
+    app = make_app(engine_factory=factory, model_label="Ling-3.0-flash-fp4")
+    async with app.run_test(size=SIZE) as pilot:
+        screen = chat(app)
+        await wait_for(pilot, lambda: "31.2 GB of 68.9 GB read" in static_text(screen.query_one("#empty")))
+        release.set()
+        await wait_for(pilot, lambda: "is ready" in static_text(screen.query_one("#empty")))
+        assert "GB" not in static_text(screen.query_one("#empty"))
+
+
 async def test_a_slow_load_step_is_named_while_it_runs(make_app):
     """After the layers, Engine.load may compile kernels for a while (a minute or two the first time):
     the chat says so, and forgets it once the model is in."""

@@ -28,6 +28,7 @@ from sparkchat.ui.prefs import ChatSettings
 from sparkchat.ui.screens.dialogs import ConfirmScreen, TextPromptScreen, export_path_suggestion
 from sparkchat.ui.streaming import Job, RateMeter, RenderPacer, render_budget, run_job
 from sparkchat.ui.widgets.message import AssistantMessage, ChatLog, ChatMarkdown, MessageView, UserMessage
+from sparkchat.ui.widgets.progress import format_size
 from sparkchat.ui.widgets.prompt import PromptInput
 from sparkchat.ui.widgets.sidebar import ConversationAction, HistorySidebar
 from sparkchat.ui.widgets.stats_bar import StatsBar
@@ -163,7 +164,12 @@ class ChatScreen(Screen[None]):
         if app.engine is not None:
             head = f"[b]{app.engine.name}[/b] is ready. Ask anything."
         elif app.engine_status == "loading":
-            stage = f"\n{_escape(app.load_stage)}" if app.load_stage else ""
+            if app.load_stage:
+                stage = f"\n{_escape(app.load_stage)}"
+            elif app.load_progress:
+                stage = f"\n{format_size(app.load_progress[0])} of {format_size(app.load_progress[1])} read"
+            else:
+                stage = ""
             head = f"[b]Loading {app.model_label or 'the model'}…[/b]{stage}\nYou can type while it loads."
         elif app.engine_status == "failed":
             head = f"[b $error]Could not load the model[/]\n{_escape(app.engine_error or '')}"
