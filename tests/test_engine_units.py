@@ -270,6 +270,10 @@ def test_memory_check_refuses_a_model_that_does_not_fit(tiny):
     with pytest.raises(ModelError, match=r"needs .* GiB but only .* GiB of system memory is free"):
         load_model(tiny, cfg, "cpu", torch.float32, 64, available_memory=need // 2)
     load_model(tiny, cfg, "cpu", torch.float32, 64, available_memory=need * 2)
+    from sparkchat.engine.loader import check_memory
+
+    with pytest.raises(ModelError, match=r"of unified \(CPU and GPU\) memory is free"):  # the DGX Spark
+        check_memory(2 << 30, 1 << 30, torch.device("cuda"), unified=True)
 
 
 def test_next_turn_reuses_the_prompt_checkpoint_when_the_answer_was_rewritten(tiny_model_dir):

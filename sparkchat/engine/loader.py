@@ -170,9 +170,9 @@ def resident_bytes(reader: CheckpointReader, dtype: torch.dtype, quantize_expert
     return total
 
 
-def check_memory(needed: int, available: int, device: torch.device) -> None:
+def check_memory(needed: int, available: int, device: torch.device, unified: bool = False) -> None:
     if needed > available:
-        where = "GPU" if device.type == "cuda" else "system"
+        where = "unified (CPU and GPU)" if unified else "GPU" if device.type == "cuda" else "system"
         raise ModelError(f"the model needs {needed / 2**30:.1f} GiB but only {available / 2**30:.1f} GiB of "
                          f"{where} memory is free: close other programs or use a smaller model")
 
@@ -189,14 +189,15 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, device: torch.device | s
     from sparkchat.engine.capabilities import is_unified_memory
 
     device = torch.device(device)
+    unified = is_unified_memory(device)
     # on shared memory the page cache of what was read is a second copy of the weights: drop it
-    reader = CheckpointReader(model_dir, device, drop_page_cache=is_unified_memory(device))
+    reader = CheckpointReader(model_dir, device, drop_page_cache=unified)
     if available_memory is None:
         from sparkchat.engine.capabilities import available_memory_bytes
 
         available_memory = available_memory_bytes()
     # checked before any weight moves: on the Spark's unified memory a failed load would squeeze the OS
-    check_memory(resident_bytes(reader, dtype, quantize_experts), available_memory, device)
+    check_memory(resident_bytes(reader, dtype, quantize_experts), available_memory, device, unified)
     if quantize_experts:
         _check_expert_dims(cfg)
     mtp_prefix = f"model.layers.{cfg.num_hidden_layers}"
