@@ -7,7 +7,10 @@ import json
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from sparkchat.engine.session import Engine
 
 THINK_END = "</think>"
 
@@ -105,7 +108,7 @@ def terminal_load_progress(label: str) -> Iterator[Callable[[int, int], None] | 
         yield lambda done, total: bar.update(task, completed=done, total=total or None)
 
 
-def load_engine(args: argparse.Namespace):
+def load_engine(args: argparse.Namespace) -> Engine:
     """The engine for --model (or the configured default), with the switch flags applied."""
     from sparkchat.cli.resolve import resolve_model
     from sparkchat.engine.session import Engine
