@@ -48,7 +48,8 @@ ab() {
 tests() {
     local sw
     timeout 120 python3 -m pytest -q tests/test_kernels.py \
-        -k "finished_by_the_router_gpu or finishing_the_moe_norm_gpu or add_rms_norm_gpu" 2>&1 | tail -15 \
+        -k "finished_by_the_router_gpu or finishing_the_moe_norm_gpu or add_rms_norm_gpu or vectorized_stages_gpu" \
+        2>&1 | tail -15 \
         | tee "$OUT/kernels.txt"
     # the tiny models once for every run below (the test's fixture takes them prebuilt)
     export SPARKCHAT_GPU_MODELS=/tmp/sparkchat-gpu-models
@@ -74,7 +75,7 @@ make_draft_agree(make_model_dir(root / 'agree', seed=3))" || return 1
 configs() {
     timeout 400 python3 benchmarks/profile_step.py --rounds 2 \
         --switch "SPARKCHAT_MOE_CONFIG=T1.bkw1:32,T1.bn1:8/T1.warps1:4,T1.maxnreg1:0,T4.bn1:8/T4.warps1:4,T4.bn2:16/T4.warps2:2" \
-        --switch SPARKCHAT_KDA_LAUNCH1=8x2,2x4,4x2,2x8 \
+        --switch SPARKCHAT_KDA_LAUNCH1=8x2,2x4,4x2,2x8 --switch SPARKCHAT_MOE_TILE_X=0 \
         2>&1 | tee "$OUT/configs.txt"
     timeout 150 python3 benchmarks/bench_kernels.py --only moe 2>&1 | tee "$OUT/moe.txt"
 }

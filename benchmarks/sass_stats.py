@@ -242,6 +242,31 @@ def moe_vec_loads(stage: int, arch: int = 90, fence: bool = True) -> tuple[dict,
     return kinds, registers(kernel, name)
 
 
+def moe_vec_stage_ops(T: int, stage: int, arch: int = 90) -> tuple[dict[str, int], int | None] | None:
+    """(instruction counts by opcode, registers) of a MoE stage in 16-byte loads as the engine launches it
+    for T tokens (the tuned config, paired words, packed input, PDL); None where cuobjdump cannot read
+    the architecture. BAR, STS/STSM and LDS count the trips through shared memory."""
+    from sparkchat.engine.kernels import mxfp4_moe as m
+
+    cfg = m.moe_config(T, H, INTER)
+    plan = m._plan(T, K, H, INTER, cfg, True, x_packed=True)
+    if stage == 1:
+        fn, sig, meta = m.mxfp4_moe_stage1_vec_kernel, dict(_STAGE1_SIG, x_ptr="*i32", act_ptr="*bf16"), plan.meta1
+    else:
+        fn, sig, meta = m.mxfp4_moe_stage2_vec_kernel, dict(_STAGE2_SIG, act_ptr="*i32"), {**plan.meta2, "HAS_ADD": True}
+    meta = {**meta, "PDL": True, "INTERPRET": False}
+    warps, maxnreg = meta.pop("num_warps"), meta.pop("maxnreg", None)
+    kernel = compile_kernel(fn, sig, meta, warps, arch, maxnreg=maxnreg)
+    sass = disassemble(kernel, fn.__name__)
+    if sass is None:
+        return None
+    counts: dict[str, int] = {}
+    for ins in sass:
+        counts[_op(ins)] = counts.get(_op(ins), 0) + 1
+    counts["all"] = len(sass)
+    return counts, registers(kernel, fn.__name__)
+
+
 def router_sass(arch: int, scored: bool = False, late_trigger: bool = False) -> list[str] | None:
     """The whole route_kernel (one token, the Ling shape) as the engine launches it: from the logits
     GEMV's 10 split-K partials, or (scored) from the scores its last programs made

@@ -240,6 +240,10 @@ def test_mxfp4_moe_vectorized_stages_gpu(T, vec2):
         got = mxfp4_moe(x, ids, wts, a13, s13, a2, s2, 4.0, config=vec, paired=True, x_packed=pack_moe_x(x))
         loop = mxfp4_moe(x, ids, wts, a13, s13, a2, s2, 4.0, config=tuned, paired=True, x_packed=pack_moe_x(x))
         assert rel_err(got, want) < 1e-2 and rel_err(got, loop) < 2e-3
+        # the activations as a row and the scales as Triton lays them out (the layout before tile_x)
+        row = mxfp4_moe(x, ids, wts, a13, s13, a2, s2, 4.0, config=replace(vec, tile_x=False), paired=True,
+                        x_packed=pack_moe_x(x))
+        assert rel_err(got, row) < 1e-5
 
 
 @gpu
@@ -702,7 +706,10 @@ _MOE_X_SCRIPT = textwrap.dedent("""
         xp = pack_moe_x(x)
         assert torch.equal(step, mxfp4_moe(x, ids, wts, w13, s13, w2, s2, 0.02, config=cfg, x_packed=xp)), T
         vec = MoeConfig(**{**cfg.__dict__, "vec1": True, "vec2": True})
-        assert rel_err(mxfp4_moe(x, ids, wts, w13, s13, w2, s2, 0.02, config=vec, x_packed=xp), step) < 1e-3, T
+        tiled = mxfp4_moe(x, ids, wts, w13, s13, w2, s2, 0.02, config=vec, x_packed=xp)
+        assert rel_err(tiled, step) < 1e-3, T
+        rows = MoeConfig(**{**vec.__dict__, "tile_x": False})  # the activations loaded as a row: same sums
+        assert torch.equal(mxfp4_moe(x, ids, wts, w13, s13, w2, s2, 0.02, config=rows, x_packed=xp), tiled), T
         if T == 1:  # stage 1 alone in 16-byte loads, x packed in the kernel itself
             vec1 = MoeConfig(**{**cfg.__dict__, "vec1": True})
             assert rel_err(mxfp4_moe(x, ids, wts, w13, s13, w2, s2, 0.02, config=vec1), step) < 1e-3

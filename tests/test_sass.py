@@ -53,8 +53,8 @@ def test_vectorized_moe_stages_issue_their_weight_and_scale_loads_first():
     LDG.128 a thread) and scale loads (10 LDG.U8) all come before its first bf16x2 FMA, within the
     80-register cap (3 programs of 8 warps an SM) and spilling little — without the barrier ptxas moves
     the scale loads behind the multiplies (measured on sm_90: 14 / 10 wide / byte loads in front with
-    it, 11 / 0 without); stage 2's weights (6 LDG.128) and scales (3 two-byte loads) all come before its
-    PDL wait, its act after."""
+    it, 11 / 0 without); stage 2's weights (6 LDG.128) and scales (6 byte loads: one byte a thread, see
+    _unaligned_zero) all come before its PDL wait, its act after."""
     s = _tools()
     kinds, regs = s.moe_vec_loads(1)
     assert kinds["LDG.E.U8"] == [10, 0] and kinds["LDG.E.128"][0] >= 10 and regs <= 80, (kinds, regs)
@@ -62,9 +62,26 @@ def test_vectorized_moe_stages_issue_their_weight_and_scale_loads_first():
     unfenced, _ = s.moe_vec_loads(1, fence=False)
     assert unfenced["LDG.E.U8"][0] < 10, unfenced
     down, _ = s.moe_vec_loads(2)
-    assert down["LDG.E.128"][0] == 6 and down["LDG.E.U16"][0] >= 3 and down["LDG.E.128"][1] >= 6, down
+    assert down["LDG.E.128"][0] == 6 and down["LDG.E.U8"] == [6, 0] and down["LDG.E.128"][1] >= 6, down
     s.moe_vec_loads(1, arch=121)  # both compile for the DGX Spark (its SASS the bundled cuobjdump cannot read)
     s.moe_vec_loads(2, arch=121)
+
+
+@pytest.mark.parametrize("T, stage, limits", [
+    (1, 1, dict(BAR=1, LDS=1, all=960)),
+    (1, 2, dict(BAR=4, LDS=2, all=670)),  # 10 barriers, 8 shared loads, 688 instructions before
+    (4, 1, dict(BAR=1, LDS=1, all=950)),  # 41, 21, 1032: the verify's stage 1 is issue-bound
+    (4, 2, dict(BAR=3, LDS=1, all=725)),  # 14, 13, 776
+])
+def test_vectorized_moe_stages_move_no_activation_or_scale_through_shared_memory(T, stage, limits):
+    """The 16-byte-load stages as launched: each thread loads its own activation words (the x tile in w's
+    layout, _group_dot) and scale bytes (_unaligned_zero), so the only shared-memory trips left are the
+    final reductions; before, Triton moved the activations (four tokens) or the scales (stage 2) through
+    shared memory every k step, a barrier each time."""
+    ops, regs = _tools().moe_vec_stage_ops(T, stage)
+    for op, most in limits.items():
+        assert ops.get(op, 0) <= most, (op, ops.get(op, 0), most)
+    assert regs <= (80 if stage == 1 else 64 if T == 4 else 60), regs
 
 
 def test_verify_gemv_uses_each_targets_tensor_cores():

@@ -194,27 +194,33 @@ def _pack_x(base, word, INTERPRET: tl.constexpr, XPACKED: tl.constexpr = False, 
 
 
 @triton.jit
-def _word_dot(w, xp, INTERPRET: tl.constexpr, PAIRED: tl.constexpr):
+def _word_dot(w, xp, INTERPRET: tl.constexpr, PAIRED: tl.constexpr, TILE: tl.constexpr = False):
     """Word tile w [BN, BKW] . packed activations xp (_pack_x) -> fp32 [BN, BKW], each word's 8 products
     summed in bf16x2 (two chains of four) and the two halves added in fp32. The interpreter emulates
-    the bf16x2 FMAs in fp32 with a bf16 rounding after each."""
+    the bf16x2 FMAs in fp32 with a bf16 rounding after each. xp: the words' activations [BKW], or with
+    TILE already loaded as tiles of w's shape."""
     if INTERPRET:
         c = _unpack(w, PAIRED)
         s_lo = tl.zeros(w.shape, dtype=tl.float32)
         s_hi = tl.zeros(w.shape, dtype=tl.float32)
         for i in tl.static_range(4):
-            s_lo = _bf16_round(c[i] * xp[2 * i][None, :] + s_lo)
-            s_hi = _bf16_round(c[i + 4] * xp[2 * i + 1][None, :] + s_hi)
+            s_lo = _bf16_round(c[i] * _row_of(xp[2 * i], TILE) + s_lo)
+            s_hi = _bf16_round(c[i + 4] * _row_of(xp[2 * i + 1], TILE) + s_hi)
         d = s_lo + s_hi
-    elif PAIRED:
-        d = tl.inline_asm_elementwise(_WORD_DOT_PAIRED_ASM, "=r,r,r,r,r,r",
-                                      [w, xp[0][None, :], xp[1][None, :], xp[2][None, :], xp[3][None, :]],
-                                      dtype=tl.float32, is_pure=True, pack=1)
     else:
-        d = tl.inline_asm_elementwise(_WORD_DOT_ASM, "=r,r,r,r,r,r",
-                                      [w, xp[0][None, :], xp[1][None, :], xp[2][None, :], xp[3][None, :]],
+        args = [w, _row_of(xp[0], TILE), _row_of(xp[1], TILE), _row_of(xp[2], TILE), _row_of(xp[3], TILE)]
+        d = tl.inline_asm_elementwise(_WORD_DOT_PAIRED_ASM if PAIRED else _WORD_DOT_ASM, "=r,r,r,r,r,r", args,
                                       dtype=tl.float32, is_pure=True, pack=1)
     return d
+
+
+@triton.jit
+def _row_of(x, TILE: tl.constexpr):
+    """x as a row that broadcasts over a word tile's rows (as it is when TILE: a tile already)."""
+    if TILE:
+        return x
+    else:
+        return x[None, :]
 
 
 @triton.jit
@@ -736,14 +742,31 @@ def _shared_down(act_ptr, w_ptr, s_ptr, out_ptr, r0, limit, T: tl.constexpr, H: 
 
 
 @triton.jit
+def _unaligned_zero(e):
+    """0 for any expert id e, of an alignment the compiler cannot know. Added to a stage's scale-byte
+    pointers it keeps Triton from loading two bytes a thread where it could, so the scales are laid out
+    as the group sums they multiply already are (one byte a thread, lanes along the groups) and need no
+    trip through shared memory (one-token stage 2: 3 such trips, 6 barriers a program; sm_90 SASS)."""
+    return e >> 30
+
+
+@triton.jit
 def _group_dot(w, s, base, word, INTERPRET: tl.constexpr, PAIRED: tl.constexpr, XPACKED: tl.constexpr,
-               PLANE: tl.constexpr):
+               PLANE: tl.constexpr, TILE: tl.constexpr = True):
     """Word tile w [BN, BKW] (a thread holding 4 consecutive words: whole groups, 16-byte loads) . the
     packed activations of words `word` [BKW] -> fp32 [BN, BKW // 4]: each group's 4 word dots summed in
-    the thread, then times its E8M0 byte s [BN, BKW // 4] once."""
-    d = _word_dot(w, _pack_x(base, word, INTERPRET, XPACKED, PLANE), INTERPRET, PAIRED)
+    the thread, then times its E8M0 byte s [BN, BKW // 4] once.
+    TILE: the activations are loaded as a whole [BN, BKW] tile (every row the same words), which gets
+    w's layout: a thread loads its own 4 words, 16 bytes. Loaded as a row [BKW] (TILE off), Triton lays
+    them out one word a thread and moves them through shared memory every step where the program is
+    small (at four tokens: 20 stores, 20 loads and 40 barriers a program; sm_90 SASS, sass_stats.py)."""
     BN: tl.constexpr = w.shape[0]
     BKW: tl.constexpr = w.shape[1]
+    if TILE:
+        words = word[None, :] + tl.zeros([BN, 1], dtype=word.dtype)
+        d = _word_dot(w, _pack_x(base, words, INTERPRET, XPACKED, PLANE), INTERPRET, PAIRED, TILE=True)
+    else:
+        d = _word_dot(w, _pack_x(base, word, INTERPRET, XPACKED, PLANE), INTERPRET, PAIRED)
     return tl.sum(tl.reshape(d, [BN, BKW // 4, 4]), axis=2) * _e8m0_scale(s)
 
 
@@ -754,7 +777,7 @@ def mxfp4_moe_stage1_vec_kernel(
     INTERPRET: tl.constexpr = False, PDL: tl.constexpr = False, PAIRED: tl.constexpr = False,
     ACT_PACKED: tl.constexpr = False, X_PACKED: tl.constexpr = False, FENCE: tl.constexpr = True,
     xs_ptr=None, shw_ptr=None, shs_ptr=None, sha_ptr=None, sh_limit=0.0,
-    SHARED: tl.constexpr = 0, SH_UP: tl.constexpr = 0, SH_BK: tl.constexpr = 0,
+    SHARED: tl.constexpr = 0, SH_UP: tl.constexpr = 0, SH_BK: tl.constexpr = 0, TILE: tl.constexpr = True,
 ):
     """Stage 1 for one token per program (slot s, block nb of BN gate rows and the matching up rows), its
     weights in 16-byte loads: a thread holds whole MX groups (4 consecutive words, one scale byte), so a
@@ -774,17 +797,17 @@ def mxfp4_moe_stage1_vec_kernel(
                             SH_BK, PDL, FENCE and not INTERPRET)
         else:
             _stage1_vec_routed(x_ptr, ids_ptr, rw_ptr, w13_ptr, s13_ptr, act_ptr, limit, s, nb, K, H, I, BN, BKW,
-                               INTERPRET, PDL, PAIRED, ACT_PACKED, X_PACKED, FENCE)
+                               INTERPRET, PDL, PAIRED, ACT_PACKED, X_PACKED, FENCE, TILE)
     else:
         _stage1_vec_routed(x_ptr, ids_ptr, rw_ptr, w13_ptr, s13_ptr, act_ptr, limit, s, nb, K, H, I, BN, BKW,
-                           INTERPRET, PDL, PAIRED, ACT_PACKED, X_PACKED, FENCE)
+                           INTERPRET, PDL, PAIRED, ACT_PACKED, X_PACKED, FENCE, TILE)
 
 
 @triton.jit
 def _stage1_vec_routed(x_ptr, ids_ptr, rw_ptr, w13_ptr, s13_ptr, act_ptr, limit, s, nb,
                        K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, BN: tl.constexpr, BKW: tl.constexpr,
                        INTERPRET: tl.constexpr, PDL: tl.constexpr, PAIRED: tl.constexpr, ACT_PACKED: tl.constexpr,
-                       X_PACKED: tl.constexpr, FENCE: tl.constexpr):
+                       X_PACKED: tl.constexpr, FENCE: tl.constexpr, TILE: tl.constexpr):
     """mxfp4_moe_stage1_vec_kernel's routed programs: slot s, block nb."""
     pdl_wait(PDL)
     e = tl.load(ids_ptr + s).to(tl.int32)
@@ -798,6 +821,8 @@ def _stage1_vec_routed(x_ptr, ids_ptr, rw_ptr, w13_ptr, s13_ptr, act_ptr, limit,
     s_e = s13_ptr + e.to(tl.int64) * (2 * I * HG)
     wg_ptr = w_e + rows[:, None] * HW + word[None, :]
     sg_ptr = s_e + rows[:, None] * HG + tl.arange(0, G)[None, :]
+    if TILE:
+        sg_ptr += _unaligned_zero(e)
     ws = ()
     ss = ()
     for k in tl.static_range(HW // BKW):  # gate then up rows of each step, all loads first
@@ -809,8 +834,9 @@ def _stage1_vec_routed(x_ptr, ids_ptr, rw_ptr, w13_ptr, s13_ptr, act_ptr, limit,
     acc_g = tl.zeros([BN, G], dtype=tl.float32)
     acc_u = tl.zeros([BN, G], dtype=tl.float32)
     for k in tl.static_range(HW // BKW):
-        acc_g += _group_dot(ws[2 * k], ss[2 * k], base, k * BKW + word, INTERPRET, PAIRED, X_PACKED, H // 8)
-        acc_u += _group_dot(ws[2 * k + 1], ss[2 * k + 1], base, k * BKW + word, INTERPRET, PAIRED, X_PACKED, H // 8)
+        acc_g += _group_dot(ws[2 * k], ss[2 * k], base, k * BKW + word, INTERPRET, PAIRED, X_PACKED, H // 8, TILE)
+        acc_u += _group_dot(ws[2 * k + 1], ss[2 * k + 1], base, k * BKW + word, INTERPRET, PAIRED, X_PACKED, H // 8,
+                            TILE)
     g = tl.sum(acc_g, axis=1)
     u = tl.sum(acc_u, axis=1)
     lim = tl.where(limit > 0, limit, float("inf"))
@@ -831,7 +857,7 @@ def mxfp4_moe_stage2_vec_kernel(
     shw_ptr=None, shs_ptr=None, sha_ptr=None, sh_limit=0.0, SHARED: tl.constexpr = 0, SH_BK: tl.constexpr = 0,
     SH_GU: tl.constexpr = 0, SH_ROW: tl.constexpr = 0,
     res_ptr=None, nw_ptr=None, s_out_ptr=None, h_ptr=None, ssq_ptr=None, eps=0.0, h16_ptr=None, hd_ptr=None,
-    NORM: tl.constexpr = False, F16: tl.constexpr = False,
+    NORM: tl.constexpr = False, F16: tl.constexpr = False, TILE: tl.constexpr = True,
 ):
     """Stage 2 for one token per program (row block nb of BN output rows, slot s) in 16-byte loads, as
     mxfp4_moe_stage1_vec_kernel: every step's down weights and scales are loaded, fenced, and only then
@@ -847,10 +873,10 @@ def mxfp4_moe_stage2_vec_kernel(
                          H, I, BSH, SH_BK, SH_GU, SH_ROW, PDL, FENCE and not INTERPRET)
         else:
             _stage2_vec_routed(act_ptr, ids_ptr, w2_ptr, s2_ptr, part_ptr, s, rows, H, I, BN, BKW, INTERPRET, PDL,
-                               PAIRED, ACT_PACKED, FENCE)
+                               PAIRED, ACT_PACKED, FENCE, TILE)
     else:
         _stage2_vec_routed(act_ptr, ids_ptr, w2_ptr, s2_ptr, part_ptr, s, rows, H, I, BN, BKW, INTERPRET, PDL,
-                           PAIRED, ACT_PACKED, FENCE)
+                           PAIRED, ACT_PACKED, FENCE, TILE)
     _sum_slots(part_ptr, cnt_ptr, y_ptr, add_ptr, nb, rows, T, K, H, 1, BN, HAS_ADD, SHARED,
                (res_ptr, nw_ptr, s_out_ptr, h_ptr, ssq_ptr, eps, h16_ptr, hd_ptr), NORM, F16, INTERPRET)
 
@@ -858,7 +884,7 @@ def mxfp4_moe_stage2_vec_kernel(
 @triton.jit
 def _stage2_vec_routed(act_ptr, ids_ptr, w2_ptr, s2_ptr, part_ptr, s, rows, H: tl.constexpr, I: tl.constexpr,
                        BN: tl.constexpr, BKW: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
-                       PAIRED: tl.constexpr, ACT_PACKED: tl.constexpr, FENCE: tl.constexpr):
+                       PAIRED: tl.constexpr, ACT_PACKED: tl.constexpr, FENCE: tl.constexpr, TILE: tl.constexpr):
     """mxfp4_moe_stage2_vec_kernel's routed programs: slot s -> part[s, rows]."""
     IW: tl.constexpr = I // 8
     IG: tl.constexpr = I // 32
@@ -867,6 +893,8 @@ def _stage2_vec_routed(act_ptr, ids_ptr, w2_ptr, s2_ptr, part_ptr, s, rows, H: t
     e = tl.load(ids_ptr + s).to(tl.int32)  # written by the router, two kernels back: safe before the wait
     w_ptr = w2_ptr + e.to(tl.int64) * (H * IW) + rows[:, None] * IW + word[None, :]
     sc_ptr = s2_ptr + e.to(tl.int64) * (H * IG) + rows[:, None] * IG + tl.arange(0, G)[None, :]
+    if TILE:
+        sc_ptr += _unaligned_zero(e)
     ws = ()
     ss = ()
     for k in tl.static_range(IW // BKW):
@@ -878,7 +906,7 @@ def _stage2_vec_routed(act_ptr, ids_ptr, w2_ptr, s2_ptr, part_ptr, s, rows, H: t
     base = act_ptr + s * (I // 2 if ACT_PACKED else I)
     acc = tl.zeros([BN, G], dtype=tl.float32)
     for k in tl.static_range(IW // BKW):
-        acc += _group_dot(ws[k], ss[k], base, k * BKW + word, INTERPRET, PAIRED, ACT_PACKED, I // 8)
+        acc += _group_dot(ws[k], ss[k], base, k * BKW + word, INTERPRET, PAIRED, ACT_PACKED, I // 8, TILE)
     tl.store(part_ptr + s * H + rows, tl.sum(acc, axis=1))
 
 
@@ -903,6 +931,7 @@ class MoeConfig:
     vec1: bool = False  # stage 1 in 16-byte weight loads, a thread holding whole groups (packed only; preloads)
     maxnreg1: int = 0  # vec1: a register cap for ptxas (0: its choice), so that enough programs fit an SM
     vec2: bool = False  # stage 2 likewise in 16-byte loads, all of them before its PDL wait (packed only)
+    tile_x: bool = True  # vec stages: activations and scale bytes loaded in the layout their products use
 
 
 # Best measured on the H200 at the Ling-3.0-flash shape (H=2560, I=768, K=8); see docs/benchmarks.md.
@@ -938,6 +967,8 @@ def moe_config(T: int, H: int, I: int, vec: int | None = None) -> MoeConfig:
     SPARKCHAT_MOE_PRELOAD=0 restores their k loops. SPARKCHAT_MOE_VEC runs the stages in 16-byte loads
     wherever a program serves one token: bit 0 stage 1 (`vec1`), bit 1 stage 2 (`vec2`); 3 both, the
     default; 0 the loads of the preloaded stages (`vec` given: that instead of the variable).
+    SPARKCHAT_MOE_TILE_X=0 loads the vec stages' activations as a row and their scales as Triton likes
+    (`tile_x` off: the layout before 2026-12-05, which moves them through shared memory; for A/Bs).
     SPARKCHAT_MOE_CONFIG overrides fields for experiments (moe_config_overrides)."""
     cfg = _TUNED.get((T, H, I)) or (MoeConfig() if T == 1 else MoeConfig(dedupe=False))
     one_token = T == 1 or not cfg.dedupe
@@ -954,7 +985,8 @@ def moe_config(T: int, H: int, I: int, vec: int | None = None) -> MoeConfig:
         cfg = replace(cfg, vec2=True)
     cfg = replace(cfg, **moe_config_overrides(T))
     return replace(cfg, packed=packed,
-                   packed_act=packed and os.environ.get("SPARKCHAT_MOE_PACKED_ACT", "1") != "0")
+                   packed_act=packed and os.environ.get("SPARKCHAT_MOE_PACKED_ACT", "1") != "0",
+                   tile_x=os.environ.get("SPARKCHAT_MOE_TILE_X", "1") != "0")
 
 
 def moe_config_overrides(T: int) -> dict:
@@ -1276,7 +1308,7 @@ def _plan(T: int, K: int, H: int, inter: int, cfg: MoeConfig, paired: bool = Fal
     vec1, vec2 = cfg.vec1 and cfg.packed, cfg.vec2 and cfg.packed  # one token a program, whole groups a thread
     if vec1:
         meta1 = dict(K=K, H=H, I=inter, BN=bn1, BKW=bkw1, INTERPRET=common["INTERPRET"], PAIRED=paired,
-                     ACT_PACKED=common["ACT_PACKED"], X_PACKED=x_packed, num_warps=cfg.warps1,
+                     ACT_PACKED=common["ACT_PACKED"], X_PACKED=x_packed, TILE=cfg.tile_x, num_warps=cfg.warps1,
                      **({"maxnreg": cfg.maxnreg1} if cfg.maxnreg1 else {}))
     else:
         meta1 = dict(common, BN=bn1, RS=rs1, BKW=bkw1, UNROLL=cfg.unroll1, num_warps=cfg.warps1,
@@ -1284,7 +1316,7 @@ def _plan(T: int, K: int, H: int, inter: int, cfg: MoeConfig, paired: bool = Fal
     if vec2:
         rs2 = 1
         meta2 = dict(T=T, K=K, H=H, I=inter, BN=bn2, BKW=bkw2, INTERPRET=common["INTERPRET"], PAIRED=paired,
-                     ACT_PACKED=common["ACT_PACKED"], num_warps=cfg.warps2)
+                     ACT_PACKED=common["ACT_PACKED"], TILE=cfg.tile_x, num_warps=cfg.warps2)
     else:
         meta2 = dict(common, BN=bn2, RS=rs2, BKW=bkw2, UNROLL=cfg.unroll2, num_warps=cfg.warps2,
                      PRELOAD=cfg.preload2 and cfg.packed)
