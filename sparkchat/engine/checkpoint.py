@@ -40,6 +40,11 @@ def parse_header(path: str | Path) -> dict[str, Any]:
     """Parse and check a safetensors header: {name: {dtype, shape, data_offsets}} (plus __metadata__).
 
     Raises ValueError saying what is wrong: truncated file, bad length, bad JSON, offsets past the end."""
+    return header_and_data_start(path)[0]
+
+
+def header_and_data_start(path: str | Path) -> tuple[dict[str, Any], int]:
+    """parse_header's answer, and the file offset its data_offsets count from."""
     p = Path(path)
     size = p.stat().st_size
     with open(p, "rb") as f:
@@ -77,13 +82,17 @@ def parse_header(path: str | Path) -> dict[str, Any]:
         end = max(end, hi)
     if end > data:
         raise ValueError(f"data section is {data} bytes but tensors reach byte {end} (truncated)")
-    return header
+    return header, 8 + n
 
 
 def read_header(path: Path) -> dict[str, Any]:
     """parse_header, failing with a one-line ModelError that names the file."""
+    return _read_header_and_data_start(path)[0]
+
+
+def _read_header_and_data_start(path: Path) -> tuple[dict[str, Any], int]:
     try:
-        return parse_header(path)
+        return header_and_data_start(path)
     except OSError as e:
         raise ModelError(f"cannot read {path}: {e.strerror}") from None
     except ValueError as e:
@@ -127,8 +136,7 @@ class CheckpointReader:
         # byte spans read so far per file, merged: (starts, ends), both sorted
         self._done: dict[Path, tuple[list[int], list[int]]] = {}
         for path in checkpoint_files(self.dir):
-            header = read_header(path)
-            start = 8 + _header_length(path)
+            header, start = _read_header_and_data_start(path)
             self._done[path] = ([0], [start])
             for name, info in header.items():
                 if name != "__metadata__":
@@ -249,7 +257,3 @@ class CheckpointReader:
         except OSError:  # a file system that keeps no page cache, or refuses advice: nothing to drop
             pass
 
-
-def _header_length(path: Path) -> int:
-    with open(path, "rb") as f:
-        return struct.unpack("<Q", f.read(8))[0]
