@@ -44,14 +44,8 @@ ab() {
         --rounds 3 2>&1 | tee "$OUT/ab.txt"
 }
 
-# The split norms' kernel tests, then the whole GPU path against the reference with each candidate on.
-tests() {
-    local sw
-    timeout 120 python3 -m pytest -q tests/test_kernels.py \
-        -k "finished_by_the_router_gpu or finishing_the_moe_norm_gpu or add_rms_norm_gpu or vectorized_stages_gpu" \
-        2>&1 | tail -15 \
-        | tee "$OUT/kernels.txt"
-    # the tiny models once for every run below (the test's fixture takes them prebuilt)
+# The tiny models once for every engine test run after it (the test's fixture takes them prebuilt).
+tiny_models() {
     export SPARKCHAT_GPU_MODELS=/tmp/sparkchat-gpu-models
     python3 -c "
 from pathlib import Path
@@ -59,7 +53,31 @@ from tests.conftest import make_model_dir
 from tests.tiny import make_draft_agree
 root = Path('$SPARKCHAT_GPU_MODELS')
 make_model_dir(root / 'random')
-make_draft_agree(make_model_dir(root / 'agree', seed=3))" || return 1
+make_draft_agree(make_model_dir(root / 'agree', seed=3))"
+}
+
+# What a short loan runs first: the default path's latest changes checked on the GPU (the reader's
+# pinned-buffer path, the 16-byte MoE stages in both layouts, the whole fast path), then timed: the
+# MoE layout against the old one in the graphed step and verify, and the MoE alone.
+first() {
+    timeout 120 python3 -m pytest -q tests/test_checkpoint_reader.py 2>&1 | tail -3 | tee "$OUT/first-tests.txt"
+    timeout 150 python3 -m pytest -q tests/test_kernels.py -k "vectorized_stages_gpu or shared_expert_in_the_stages_gpu" \
+        2>&1 | tail -3 | tee -a "$OUT/first-tests.txt"
+    tiny_models || return 1
+    timeout 150 python3 -m pytest -q -x tests/test_gpu_engine.py -k "fast_path_matches or lossless" 2>&1 | tail -3 \
+        | tee -a "$OUT/first-tests.txt"
+    timeout 200 python3 benchmarks/profile_step.py --switch SPARKCHAT_MOE_TILE_X=0 --rounds 3 2>&1 | tee "$OUT/ab-tile-x.txt"
+    timeout 150 python3 benchmarks/bench_kernels.py --only moe 2>&1 | tee "$OUT/moe.txt"
+}
+
+# The split norms' kernel tests, then the whole GPU path against the reference with each candidate on.
+tests() {
+    local sw
+    timeout 120 python3 -m pytest -q tests/test_kernels.py \
+        -k "finished_by_the_router_gpu or finishing_the_moe_norm_gpu or add_rms_norm_gpu or vectorized_stages_gpu" \
+        2>&1 | tail -15 \
+        | tee "$OUT/kernels.txt"
+    tiny_models || return 1
     for sw in "" SPARKCHAT_SHARED_ADD_LATE=1 SPARKCHAT_MOE_ADD_NORM=2 \
               SPARKCHAT_SPLIT_MOE_INPUT_NORM=1 SPARKCHAT_MOE_SHARED=1 SPARKCHAT_MOE_SHARED=2 \
               SPARKCHAT_ROUTE_LATE_TRIGGER=1 \
@@ -94,6 +112,6 @@ load() {  # the checkpoint reader to the GPU: mmap vs plain reads, and the page 
 
 case "${1:-}" in
     wheels) wheels ;;
-    ab|tests|configs|bench|load) install_wheels; "$1" ;;
-    *) echo "usage: $0 wheels|ab|tests|configs|bench|load" >&2; exit 2 ;;
+    first|ab|tests|configs|bench|load) install_wheels; "$1" ;;
+    *) echo "usage: $0 wheels|first|ab|tests|configs|bench|load" >&2; exit 2 ;;
 esac
