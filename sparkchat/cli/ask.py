@@ -98,12 +98,10 @@ def terminal_load_progress(label: str) -> Iterator[Callable[[int, int], None] | 
         yield None
         return
     from rich.console import Console
-    from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
-                               TransferSpeedColumn)
 
-    bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-                   TimeRemainingColumn(), console=Console(stderr=True), transient=True)
-    task = bar.add_task(f"loading {label}", total=None)
+    from sparkchat.cli.progress import byte_bar
+
+    bar, task = byte_bar(Console(stderr=True), f"loading {label}")
     with bar:
         yield lambda done, total: bar.update(task, completed=done, total=total or None)
 

@@ -75,16 +75,11 @@ def cmd_download(args: argparse.Namespace) -> int:
         # before huggingface_hub is imported, so its own side requests go to the mirror too
         os.environ["HF_ENDPOINT"] = endpoint
 
-    from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
-                               TransferSpeedColumn)
-
     from sparkchat import hub
+    from sparkchat.cli.progress import byte_bar
 
     console = _console(stderr=True)
-    # transient: on a terminal the bar disappears when done, so a failure leaves only its one line
-    progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), DownloadColumn(),
-                        TransferSpeedColumn(), TimeRemainingColumn(), console=console, transient=True)
-    task = progress.add_task(args.repo, total=None)
+    progress, task = byte_bar(console, args.repo)
     seen = {"bytes": 0}
 
     def on_bytes(done: int, total: int) -> None:
