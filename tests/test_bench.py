@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from sparkchat.cli import main
-from sparkchat.engine.bench import decode_bytes
+from sparkchat.engine.bench import SPARK_READ_BW, decode_bytes, project_spark
 from sparkchat.engine.synthetic import LING3_FLASH, build_synthetic, synthetic_config
 
 SMALL = dict(LING3_FLASH, hidden_size=256, num_attention_heads=4, head_dim=32, vocab_size=1000, num_experts=32,
@@ -36,6 +36,20 @@ def test_decode_bytes_counts_each_weight_once():
     assert decode_bytes(model, context=10, fp8_head=True) == expected - 1000 * H * 4 + 1000 * H + 1000 * 4
 
 
+def test_the_spark_projection_counts_launch_and_chain_time_once_not_scaled_with_bandwidth():
+    gb, h200 = 4.42e9, 4335e9
+    # session 23's graphed step: 2.26 ms for 4.42 GB; its head streams at the full read bandwidth
+    latency = 2.26e-3 - gb / h200
+    assert project_spark(2.26e-3, gb, h200, 1.0) == pytest.approx(gb / SPARK_READ_BW + latency)
+    assert 1 / project_spark(2.26e-3, gb, h200, 1.0) == pytest.approx(49.7, abs=0.1)
+    # a kernel that only streams (no time beyond its bytes) projects to its bytes at the Spark's bandwidth
+    assert project_spark(gb / (h200 * 0.8), gb, h200, 0.8) == pytest.approx(gb / (SPARK_READ_BW * 0.8))
+    # faster than streaming at the measured efficiency (a step's L2 hits): no negative latency
+    assert project_spark(0.5 * gb / h200, gb, h200, 1.0) == pytest.approx(gb / SPARK_READ_BW)
+    # every bit of time here shows up there, one for one
+    assert project_spark(3e-3, gb, h200, 1.0) - project_spark(2e-3, gb, h200, 1.0) == pytest.approx(1e-3)
+
+
 def test_bench_command_prints_the_table_as_json(tmp_path, capsys):
     cfg_path = tmp_path / "small.json"
     cfg_path.write_text(json.dumps(SMALL))
@@ -45,6 +59,13 @@ def test_bench_command_prints_the_table_as_json(tmp_path, capsys):
     names = [r["name"] for r in out["rows"]]
     assert len(names) == 4 and names[0].startswith("baseline") and "MTP" in names[3]
     assert all(r["tok_s"] > 0 and r["projected_spark_tok_s"] > 0 for r in out["rows"])
+    # each decode row's projection from its own time and bytes and the head's streaming efficiency
+    eff = out["stream_efficiency_pct"] / 100
+    assert 0 < eff <= 1 and out["spark_latency_ms"] >= 0 and out["spark_scaled_tok_s"] > 0
+    for r in out["rows"][:3]:
+        seconds = r["tpot_ms"] / 1000
+        want = 1 / project_spark(seconds, r["bytes_per_token"], out["read_bw_gb_s"] * 1e9, eff)
+        assert r["projected_spark_tok_s"] == pytest.approx(want)
     assert out["rows"][2]["bytes_per_token"] < out["rows"][1]["bytes_per_token"]  # the FP8 head reads less
     assert out["verify_decode_ratio"] > 0 and out["accept_length_source"].startswith("assumed")
     assert out["verify_correlated_decode_ratio"] > 0 and out["verify_correlated_pct_read_bw"] > 0

@@ -54,19 +54,19 @@ def test_bench_screen_published(snap_compare, make_app):
 
 
 def canned_result():
-    from sparkchat.engine.bench import BenchResult, BenchRow
+    from sparkchat.engine.bench import BenchResult, BenchRow, project_spark
 
-    def row(name, ms, nbytes, gbs, pct, spark):
-        return BenchRow(name, ms, 1000 / ms, nbytes, gbs, pct, spark)
+    def row(name, ms, nbytes, gbs, pct):
+        return BenchRow(name, ms, 1000 / ms, nbytes, gbs, pct, 1 / project_spark(ms / 1000, nbytes, 4140e9, 0.98))
 
-    rows = [row("baseline (dequantize-then-matmul experts, BF16 head) [eager]", 9.84, 4_820_000_000, 490, 11.8, 5.7),
-            row("+ MXFP4 expert kernels [CUDA graph]", 1.71, 4_820_000_000, 2819, 68.1, 33.1),
-            row("+ FP8 LM head [CUDA graph]", 1.58, 4_420_000_000, 2797, 67.6, 35.8),
-            BenchRow("+ MTP (3 draft steps)", 1.02, 980.4, None, None, None, 55.5,
+    rows = [row("baseline (dequantize-then-matmul experts, BF16 head) [eager]", 9.84, 4_820_000_000, 490, 11.8),
+            row("+ MXFP4 expert kernels [CUDA graph]", 1.71, 4_820_000_000, 2819, 68.1),
+            row("+ FP8 LM head [CUDA graph]", 1.58, 4_420_000_000, 2797, 67.6),
+            BenchRow("+ MTP (3 draft steps)", 1.02, 980.4, None, None, None, 78.4,
                      "per token at accept length 2.68 (assumed (NVIDIA's published 2.68))")]
     return BenchResult("NVIDIA H200", 1024, 4140.0, True, rows, verify_decode_ratio=1.62, draft_step_ms=0.21,
                        verify_ms=2.56, accept_length=2.68, accept_length_source="assumed (NVIDIA's published 2.68)",
-                       first_step_s=41.3)
+                       first_step_s=41.3, stream_efficiency_pct=98.0, spark_latency_ms=0.49, spark_scaled_tok_s=35.8)
 
 
 def test_bench_screen_result(snap_compare, make_app):

@@ -22,6 +22,7 @@ from textual.containers import Horizontal, VerticalScroll
 from textual.screen import Screen
 from textual.widgets import Button, DataTable, Footer, Header, Input, Label, ProgressBar, Select, Static, Switch
 
+from sparkchat.cli.bench import spark_projection_note
 from sparkchat.engine.errors import SparkchatError
 from sparkchat.ui.messages import BenchDone, BenchProgress
 from sparkchat.ui.widgets.bars import Bar, BarChart
@@ -104,7 +105,7 @@ def run_plan(plan: BenchPlan, say: Say) -> tuple[Any, str]:
             source = f"model {engine.name}"
             has_mtp = model.mtp is not None
             measure = plan.measure_accept and has_mtp
-            steps.total = int(measure) + 4 + 2 * int(has_mtp)  # MTP: its parts, then the loop as it runs
+            steps.total = int(measure) + 5 + 2 * int(has_mtp)  # the head alone, 3 rows; MTP: its parts, the loop
             saved = replace(engine.switches)
             if measure:
                 from sparkchat.cli.bench import measure_accept_length
@@ -115,7 +116,7 @@ def run_plan(plan: BenchPlan, say: Say) -> tuple[Any, str]:
                 rows = engine.draft_rows(plan.draft_vocab)  # the engine's own top-N, as `sparkchat bench`
         else:
             cfg, device, dtype, source = _synthetic_setup(plan)
-            steps.total = 1 + 4 + 2 * int(cfg.has_mtp)
+            steps.total = 1 + 5 + 2 * int(cfg.has_mtp)
             steps.next("building synthetic weights")
             from sparkchat.engine.synthetic import build_synthetic
 
@@ -522,8 +523,7 @@ class BenchScreen(Screen[None]):
                     first += " (compiling, capturing)"
             lines.append(f"read bandwidth {number(r.read_bw_gb_s)} GB/s, measured in this run · CUDA graphs "
                          f"{'on' if r.graphs else 'off'}{first}")
-            lines.append("* Spark tok/s: bytes per token at the DGX Spark's 234 GB/s read bandwidth × the "
-                         "bandwidth efficiency measured here — a projection, not a measurement.")
+            lines += spark_projection_note(r.to_dict())
         lines.append("NVIDIA: SGLang on the DGX Spark, batch 1, Ling-3.0-flash-fp4; + MTP is 3 draft steps on "
                      "GSM8K at accept length 2.68.")
         return "\n".join(lines)
