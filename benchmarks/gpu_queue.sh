@@ -2,7 +2,7 @@
 # The GPU runs waiting for a development GPU, as named batches, so a lent machine starts on them at once.
 #
 #   bash benchmarks/gpu_queue.sh wheels        # here (with package registries): the wheels the GPU box lacks
-#   bash benchmarks/gpu_queue.sh ab|tests|configs|bench|load   # on the GPU box, logs under $OUT (default ./gpu-out)
+#   bash benchmarks/gpu_queue.sh quick|first|ab|tests|configs|bench|load   # on the GPU box, logs under $OUT (default ./gpu-out)
 #
 # The GPU box has torch, triton and transformers, but not this project's other dependencies, nor the
 # transformers the tiny test models need (5.24), and it cannot fetch: `wheels` downloads them into .whl2/
@@ -42,6 +42,18 @@ ab() {
         --switch "SPARKCHAT_SPLIT_MOE_INPUT_NORM=1+SPARKCHAT_MOE_ADD_NORM=2+SPARKCHAT_SHARED_ADD_LATE=1" \
         --switch "SPARKCHAT_SPLIT_MOE_INPUT_NORM=1+SPARKCHAT_MOE_ADD_NORM=2+SPARKCHAT_SHARED_ADD_LATE=1+SPARKCHAT_MOE_SHARED=2" \
         --rounds 3 2>&1 | tee "$OUT/ab.txt"
+}
+
+# What a short loan runs first, most telling per minute: every waiting switch once against off in one
+# process (each variant's logits checked against off's, so a broken one shows), then `sparkchat bench`.
+quick() {
+    timeout 330 python3 benchmarks/profile_step.py --rounds 1 --switch SPARKCHAT_MOE_TILE_X=0 \
+        --switch SPARKCHAT_SPLIT_MOE_INPUT_NORM=1 --switch SPARKCHAT_MOE_ADD_NORM=2 \
+        --switch SPARKCHAT_SHARED_ADD_LATE=1 --switch SPARKCHAT_MOE_SHARED=2 --switch SPARKCHAT_ROUTE_LATE_TRIGGER=1 \
+        --switch "SPARKCHAT_SPLIT_MOE_INPUT_NORM=1+SPARKCHAT_MOE_ADD_NORM=2+SPARKCHAT_SHARED_ADD_LATE=1" \
+        --switch "SPARKCHAT_SPLIT_MOE_INPUT_NORM=1+SPARKCHAT_MOE_ADD_NORM=2+SPARKCHAT_SHARED_ADD_LATE=1+SPARKCHAT_MOE_SHARED=2" \
+        2>&1 | tee "$OUT/quick-ab.txt"
+    timeout 240 python3 -m sparkchat bench --context 1024 --iters 20 2>&1 | tee "$OUT/bench.txt"
 }
 
 # The tiny models once for every engine test run after it (the test's fixture takes them prebuilt).
@@ -112,6 +124,6 @@ load() {  # the checkpoint reader to the GPU: mmap vs plain reads, and the page 
 
 case "${1:-}" in
     wheels) wheels ;;
-    first|ab|tests|configs|bench|load) install_wheels; "$1" ;;
-    *) echo "usage: $0 wheels|first|ab|tests|configs|bench|load" >&2; exit 2 ;;
+    quick|first|ab|tests|configs|bench|load) install_wheels; "$1" ;;
+    *) echo "usage: $0 wheels|quick|first|ab|tests|configs|bench|load" >&2; exit 2 ;;
 esac
