@@ -47,7 +47,7 @@ ab() {
 # What a short loan runs first, most telling per minute: every waiting switch once against off in one
 # process (each variant's logits checked against off's, so a broken one shows), then `sparkchat bench`.
 quick() {
-    timeout 330 python3 benchmarks/profile_step.py --rounds 1 --switch SPARKCHAT_MOE_TILE_X=0 \
+    timeout 330 python3 benchmarks/profile_step.py --rounds 1 --switch SPARKCHAT_MOE_TILE_X=1 \
         --switch SPARKCHAT_SPLIT_MOE_INPUT_NORM=1 --switch SPARKCHAT_MOE_ADD_NORM=2 \
         --switch SPARKCHAT_SHARED_ADD_LATE=1 --switch SPARKCHAT_MOE_SHARED=2 --switch SPARKCHAT_ROUTE_LATE_TRIGGER=1 \
         --switch "SPARKCHAT_SPLIT_MOE_INPUT_NORM=1+SPARKCHAT_MOE_ADD_NORM=2+SPARKCHAT_SHARED_ADD_LATE=1" \
@@ -78,7 +78,7 @@ first() {
     tiny_models || return 1
     timeout 150 python3 -m pytest -q -x tests/test_gpu_engine.py -k "fast_path_matches or lossless" 2>&1 | tail -3 \
         | tee -a "$OUT/first-tests.txt"
-    timeout 200 python3 benchmarks/profile_step.py --switch SPARKCHAT_MOE_TILE_X=0 --rounds 3 2>&1 | tee "$OUT/ab-tile-x.txt"
+    timeout 200 python3 benchmarks/profile_step.py --switch SPARKCHAT_MOE_TILE_X=1 --rounds 3 2>&1 | tee "$OUT/ab-tile-x.txt"
     timeout 150 python3 benchmarks/bench_kernels.py --only moe 2>&1 | tee "$OUT/moe.txt"
 }
 
@@ -105,7 +105,7 @@ tests() {
 configs() {
     timeout 400 python3 benchmarks/profile_step.py --rounds 2 \
         --switch "SPARKCHAT_MOE_CONFIG=T1.bkw1:32,T1.bn1:8/T1.warps1:4,T1.maxnreg1:0,T4.bn1:8/T4.warps1:4,T4.bn2:16/T4.warps2:2" \
-        --switch SPARKCHAT_KDA_LAUNCH1=8x2,2x4,4x2,2x8 --switch SPARKCHAT_MOE_TILE_X=0 \
+        --switch SPARKCHAT_KDA_LAUNCH1=8x2,2x4,4x2,2x8 --switch SPARKCHAT_MOE_TILE_X=1 \
         2>&1 | tee "$OUT/configs.txt"
     timeout 150 python3 benchmarks/bench_kernels.py --only moe 2>&1 | tee "$OUT/moe.txt"
 }
