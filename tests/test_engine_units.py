@@ -218,6 +218,24 @@ def test_engine_prefills_only_the_new_turn(tiny_model_dir):
     assert stats.prefilled_tokens == 3 and stats.prompt_tokens == len(turn2)
 
 
+def test_an_answers_stats_carry_the_bytes_a_token_reads_and_the_read_bandwidth(tiny_model_dir):
+    from sparkchat.engine.events import SamplingParams, Switches
+    from sparkchat.engine.session import Engine
+    from sparkchat.engine.traffic import decode_bytes, read_bandwidth
+
+    engine = Engine.load(tiny_model_dir, device="cpu", max_context=512)
+    prompt = engine.tokenizer.encode_chat([{"role": "user", "content": "hello there"}])
+    sizes = {}
+    for fp8 in (False, True):
+        engine.set_switches(Switches(mtp=False, fp8_head=fp8))
+        stats = list(engine.generate_ids(prompt, SamplingParams(max_tokens=2)))[-1].stats
+        assert stats.bytes_per_token == decode_bytes(engine.model, len(prompt), fp8_head=fp8)
+        assert stats.read_bw_bytes_s == read_bandwidth(engine.device) > 0
+        sizes[fp8] = stats.bytes_per_token
+    head = engine.model.lm_head.weight
+    assert sizes[False] - sizes[True] == head.numel() * (head.element_size() - 1) - 4 * head.shape[0]
+
+
 def test_config_refuses_other_models():
     with pytest.raises(ModelError, match="unsupported model_type 'llama'"):
         ModelConfig.from_dict({"model_type": "llama"})

@@ -192,8 +192,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def format_stats(s) -> str:
+    from sparkchat.ui.format import bandwidth_text  # text only, no Textual
+
     parts = [f"{s.generated_tokens} tokens", f"{s.decode_tok_s:.1f} tok/s", f"TTFT {s.ttft_s * 1000:.0f} ms",
              f"prefill {s.prefilled_tokens} tok at {s.prefill_tok_s:.0f} tok/s"]
     if s.accept_length_mean is not None:
         parts.append(f"accept length {s.accept_length_mean:.2f}")
+    memory = bandwidth_text(s)
+    if memory:
+        parts.append(memory)
     return " · ".join(parts)

@@ -15,10 +15,9 @@ import torch
 
 from sparkchat.engine.generate import Decoder
 from sparkchat.engine.model import LingModel
-from sparkchat.engine.nn.kda import KimiDeltaAttention
-from sparkchat.engine.nn.linear import Linear
-from sparkchat.engine.nn.moe import MoE
 from sparkchat.engine.state import ConversationState
+from sparkchat.engine.traffic import (decode_bytes, draft_step_bytes, measure_read_bandwidth, median_time,
+                                      tensor_bytes, verify_bytes)
 
 SPARK_READ_BW = 234e9  # bytes/s, the DGX Spark's measured read bandwidth (public report)
 PUBLISHED_ACCEPT_LENGTH = 2.68  # NVIDIA's MTP accept length on GSM8K, 3 draft steps
@@ -83,55 +82,6 @@ class BenchResult:
         return asdict(self)
 
 
-def _tensor_bytes(*ts: torch.Tensor | None) -> int:
-    return sum(t.numel() * t.element_size() for t in ts if t is not None)
-
-
-def _modules_bytes(model: LingModel, modules: Any) -> int:
-    """Bytes one token's pass through `modules` reads (KDA states also written): each linear once (a
-    fused projection's parts as the fused weight), a MoE's router and `num_experts_per_tok` experts."""
-    cfg = model.cfg
-    fused_parts = {id(p) for m in model.modules() if getattr(m, "fused", None) is not None
-                   for p in m.input_projections()}
-    total = 0
-    for m in modules:
-        if isinstance(m, Linear) and id(m) not in fused_parts:
-            if m.cache_dense:  # read as a dequantized copy in the compute dtype
-                total += m.weight.numel() * model.embed.element_size()
-            else:
-                total += _tensor_bytes(m.weight, m.weight_scale_inv)
-        elif isinstance(m, MoE):
-            ex = m.experts
-            per_expert = _tensor_bytes(ex.w13[0], ex.w2[0],
-                                       ex.w13_scale[0] if ex.is_mxfp4 else None,
-                                       ex.w2_scale[0] if ex.is_mxfp4 else None)
-            total += cfg.num_experts_per_tok * per_expert + _tensor_bytes(m.gate.weight)
-        elif isinstance(m, KimiDeltaAttention):
-            total += 2 * cfg.num_attention_heads * cfg.head_dim ** 2 * 4  # fp32 state read + write
-    return total
-
-
-def _latent_cache_bytes(model: LingModel, context: int) -> int:
-    """One MLA layer's latent cache at `context` tokens, as a decode step reads it."""
-    cfg = model.cfg
-    return context * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * model.embed.element_size()
-
-
-def decode_bytes(model: LingModel, context: int, fp8_head: bool) -> int:
-    """Bytes one decode step reads (and KDA states also write), counted from the loaded modules."""
-    total = _modules_bytes(model, (m for layer in model.layers for m in layer.modules()))
-    total += len(model.cfg.mla_layers) * _latent_cache_bytes(model, context)
-    head = model.lm_head
-    total += _tensor_bytes(head.fp8_weight, head.fp8_scale) if fp8_head else _tensor_bytes(head.weight)
-    return total
-
-
-def draft_step_bytes(model: LingModel, context: int, head_bytes: int) -> int:
-    """Bytes one MTP draft step reads: the NextN layer (its latent cache at `context`) and `head_bytes`
-    of head (LMHead.draft_bytes: the truncated copy when draft rows are set)."""
-    return _modules_bytes(model, model.mtp.modules()) + _latent_cache_bytes(model, context) + head_bytes
-
-
 def project_spark(seconds: float, nbytes: float, bw: float, efficiency: float) -> float:
     """Seconds the work timed here (`seconds`, reading `nbytes` on a machine of read bandwidth `bw`)
     would take on the DGX Spark — a projection: its bytes at the Spark's read bandwidth at the
@@ -156,23 +106,8 @@ def measure_stream_efficiency(model: LingModel, device: torch.device, bw: float,
         for _ in range(calls):
             head.argmax(h)
 
-    seconds = _median_time(stream, device, iters) / calls
-    return min(1.0, _tensor_bytes(head.fp8_weight, head.fp8_scale) / seconds / bw)
-
-
-def verify_bytes(model: LingModel, context: int, tokens: int, distinct_experts: float) -> int:
-    """Bytes a verify of `tokens` reads and writes: a decode step's, plus the experts beyond one
-    token's 8 per MoE layer, plus for each KDA layer its kept inputs and the state read a second time
-    (the verify reads it and leaves it; the commit after it reads and writes it: kda_commit)."""
-    cfg = model.cfg
-    moe = [m for m in model.modules() if isinstance(m, MoE) and m is not getattr(model.mtp, "mlp", None)]
-    ex = moe[0].experts if moe else None
-    per_expert = 0 if ex is None else _tensor_bytes(ex.w13[0], ex.w2[0], ex.w13_scale[0] if ex.is_mxfp4 else None,
-                                                    ex.w2_scale[0] if ex.is_mxfp4 else None)
-    kda_layers = sum(isinstance(m, KimiDeltaAttention) for m in model.modules())
-    kept = kda_layers * cfg.num_attention_heads * (cfg.head_dim ** 2 + tokens * 4 * cfg.head_dim) * 4
-    extra = max(0.0, distinct_experts - cfg.num_experts_per_tok) * per_expert * len(moe)
-    return int(decode_bytes(model, context, model.lm_head.use_fp8) + extra + kept)
+    seconds = median_time(stream, device, iters) / calls
+    return min(1.0, tensor_bytes(head.fp8_weight, head.fp8_scale) / seconds / bw)
 
 
 @contextmanager
@@ -205,33 +140,6 @@ def correlated_routing(apply: bool = True):
         yield
     finally:
         ops.route = inner
-
-
-def measure_read_bandwidth(device: torch.device) -> float:
-    """Bytes/s a large reduction reads (the figure % of bandwidth is quoted against)."""
-    n = (4 << 30) // 4 if device.type == "cuda" else (256 << 20) // 4
-    buf = torch.ones(n, device=device)
-    return buf.numel() * 4 / _median_time(lambda: buf.sum(), device, iters=10)
-
-
-def _median_time(fn: Callable[[], Any], device: torch.device, iters: int) -> float:
-    for _ in range(2):
-        fn()
-    times = []
-    for _ in range(iters):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1000)
-        else:
-            t = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t)
-    times.sort()
-    return times[len(times) // 2]
 
 
 def _configure(model: LingModel, experts: bool, fp8_head: bool) -> None:
@@ -276,7 +184,7 @@ def run_bench(model: LingModel, *, context: int = 1024, iters: int = 20, draft_s
     def decode_time(experts: bool, fp8_head: bool, with_graphs: bool) -> float:
         _configure(model, experts, fp8_head)
         dec = Decoder(model, state, _graphs(model, state) if with_graphs else None)
-        return _median_time(lambda: dec.forward([1])[1].argmax(-1), device, iters)
+        return median_time(lambda: dec.forward([1])[1].argmax(-1), device, iters)
 
     rows = [("baseline (dequantize-then-matmul experts, BF16 head)", False, False),
             ("+ MXFP4 expert kernels", True, False),
@@ -317,7 +225,7 @@ def run_bench(model: LingModel, *, context: int = 1024, iters: int = 20, draft_s
         def verify():
             dec.forward([1] * (k + 1), keep_steps=True)[1].argmax(-1)
 
-        t_draft = t_draft_full = _median_time(draft, device, iters)
+        t_draft = t_draft_full = median_time(draft, device, iters)
         result.draft_step_full_head_ms = 1000 * t_draft_full / k
         result.draft_head_bytes = result.draft_head_full_bytes = head.draft_bytes()
         if draft_vocab and draft_vocab < model.cfg.vocab_size:
@@ -325,9 +233,9 @@ def run_bench(model: LingModel, *, context: int = 1024, iters: int = 20, draft_s
             result.draft_vocab = int(head.draft_ids.numel())
             result.draft_head_bytes = head.draft_bytes()
             dec = Decoder(model, state, _graphs(model, state) if use_graphs else None)  # graphs of this head
-            t_draft = _median_time(draft, device, iters)
+            t_draft = median_time(draft, device, iters)
             head.set_draft_rows(None)
-        t_verify = _median_time(verify, device, iters)
+        t_verify = median_time(verify, device, iters)
         result.draft_step_ms, result.verify_ms = 1000 * t_draft / k, 1000 * t_verify
         result.verify_decode_ratio = t_verify / last
         cfg = model.cfg
@@ -336,10 +244,10 @@ def run_bench(model: LingModel, *, context: int = 1024, iters: int = 20, draft_s
         # the routing wrapper adds small kernels of its own (~8 a MoE layer); time them and leave them out
         with correlated_routing(apply=False):
             dec = Decoder(model, state, _graphs(model, state) if use_graphs else None)
-            t_wrapped = _median_time(verify, device, iters)
+            t_wrapped = median_time(verify, device, iters)
         with correlated_routing():
             dec = Decoder(model, state, _graphs(model, state) if use_graphs else None)
-            t_corr = _median_time(verify, device, iters)
+            t_corr = median_time(verify, device, iters)
         result.verify_routing_wrapper_ms = 1000 * max(0.0, t_wrapped - t_verify)
         t_corr = max(t_corr - max(0.0, t_wrapped - t_verify), 1e-9)
         shared = cfg.num_experts_per_tok // 2
@@ -409,7 +317,7 @@ def _prefill_time(model: LingModel, n: int, device: torch.device) -> float:
         hidden, _ = model(ids, 0, state)
         model.lm_head(hidden[-1:])
 
-    return _median_time(once, device, iters=2)
+    return median_time(once, device, iters=2)
 
 
 def _greedy():

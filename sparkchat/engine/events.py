@@ -93,6 +93,10 @@ class GenerationStats:
     verify_decode_ratio: float | None = None
     switches: dict[str, Any] = field(default_factory=dict)
     peak_memory_bytes: int = 0
+    # why it is as fast as it is: the bytes a plain decode step reads with the switches in use, and the
+    # read bandwidth measured here; their ratio is the fastest plain decoding can go (speculation beats it)
+    bytes_per_token: int = 0
+    read_bw_bytes_s: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

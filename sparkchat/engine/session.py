@@ -20,6 +20,7 @@ from sparkchat.engine.loader import load_model
 from sparkchat.engine.model import LingModel
 from sparkchat.engine.state import ConversationState
 from sparkchat.engine.tokenizer import ChatTokenizer
+from sparkchat.engine.traffic import decode_bytes, read_bandwidth
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16}
@@ -106,6 +107,9 @@ class Engine:
 
             enable_compile()
             warm_up(cfg.num_attention_heads, cfg.head_dim, dev, dt, stage)  # fla-core's prompt kernels
+        if stage is not None:
+            stage("measuring the memory's read bandwidth")
+        read_bandwidth(dev)  # once a process, for the live stats (the first answer need not wait for it)
         return cls(model, tokenizer, max_context, path.name, path)
 
     # -- switches -----------------------------------------------------------------------------
@@ -256,6 +260,8 @@ class Engine:
                 cancel: Event | None) -> Iterator[ResponseEvent]:
         stats = GenerationStats(prompt_tokens=len(prompt_ids))
         stats.switches = self._apply_switches()
+        stats.bytes_per_token = decode_bytes(self.model, len(prompt_ids), self.model.lm_head.use_fp8)
+        stats.read_bw_bytes_s = read_bandwidth(self.device)
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         decoder = self.tokenizer.stream_decoder()

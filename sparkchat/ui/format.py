@@ -99,6 +99,23 @@ def accept_text(stats: Any) -> str | None:
     return text
 
 
+def bandwidth_text(stats: Any) -> str | None:
+    """'4.42 GB/tok · limit 61.8 tok/s (85%)': the bytes a plain decode step reads, the fastest plain
+    decoding can go at the read bandwidth measured on this machine, and the answer's speed as a share of
+    it (over 100%: speculation reads the weights once for several tokens). None without the figures."""
+    nbytes = _get(stats, "bytes_per_token", 0) or 0
+    bw = _get(stats, "read_bw_bytes_s", 0.0) or 0.0
+    if not nbytes or not bw:
+        return None
+    limit = bw / nbytes
+    size = f"{nbytes / 1e9:.2f} GB" if nbytes >= 1e9 else f"{nbytes / 1e6:.1f} MB"
+    text = f"{size}/tok · limit {limit:,.1f} tok/s"
+    rate = _get(stats, "decode_tok_s", 0.0) or 0.0
+    if rate:
+        text += f" ({100 * rate / limit:.0f}%)"
+    return text
+
+
 def summary_line(stats: Any, finish_reason: str | None) -> str:
     """The one line kept under a finished reply."""
     parts = []

@@ -88,6 +88,7 @@ class FakeEngine:
         prompt_tokens = sum(len(m["content"]) for m in messages) // 4 + 8
         stats = GenerationStats(prompt_tokens=prompt_tokens, prefilled_tokens=prompt_tokens, prefill_s=0.02,
                                 ttft_s=0.05, prefill_tok_s=1500.0, peak_memory_bytes=41 * (1 << 30) + (1 << 29),
+                                bytes_per_token=4_420_000_000, read_bw_bytes_s=4.14e12,  # as on the H200
                                 switches={"mtp": mtp, "draft_steps": self.switches.draft_steps})
         finish = None
         debt = 0.0

@@ -12,7 +12,7 @@ from textual.containers import Horizontal, Vertical
 from textual.timer import Timer
 from textual.widgets import Sparkline, Static
 
-from sparkchat.ui.format import FINISH_LABELS, accept_text, format_bytes, format_ms
+from sparkchat.ui.format import FINISH_LABELS, accept_text, bandwidth_text, format_bytes, format_ms
 
 LIVE_EVERY_S = 0.5  # live numbers are redrawn at most this often (the streamed text: see streaming.RenderPacer)
 
@@ -120,6 +120,9 @@ class StatsBar(Vertical):
             detail.append(accept)
         else:
             detail.append("MTP off" if not mtp_on else "MTP —", style="dim")
+        memory = bandwidth_text(stats)
+        if memory:  # how close to the memory's limit this runs: the "why" of the speed
+            detail.append(f" │ {memory}")
         if stats.peak_memory_bytes:
             detail.append(f" │ peak {format_bytes(stats.peak_memory_bytes)}")
         state = FINISH_LABELS.get(finish_reason, finish_reason) if finish_reason else "streaming…"
