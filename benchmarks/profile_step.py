@@ -59,6 +59,8 @@ def main() -> None:
     ap.add_argument("--loop-switch", default=None, help="alternate this env switch 1/0 in the real MTP loop")
     ap.add_argument("--loop-sampling", action="store_true", help="the real MTP loop greedy and sampled, alternated")
     args = ap.parse_args()
+    for switch in args.switch or ():  # a bad spec fails now, not after the model is built
+        switch_variants(switch)
     if args.compile:
         enable_compile()
     model, state = fast_synthetic(args.layers, max(2048, 2 * args.prefill))
@@ -288,6 +290,21 @@ def compare_overlap(model, state: ConversationState) -> None:
               flush=True)
 
 
+def switch_variants(name: str) -> list[list[tuple[str, str]]]:
+    """--switch NAME's variants, each a list of (variable, value), the switches-off one last: A=1+B=2
+    sets both, then both 0; NAME=VALUE alternates VALUE and 0; NAME=V1,V2 each of them, then 0.
+    A variant equal to the off one would time nothing: refused."""
+    if "+" in name:
+        settings = [part.partition("=") for part in name.split("+")]
+        variants = [[(n, v or "1") for n, _, v in settings], [(n, "0") for n, _, _ in settings]]
+    else:
+        n, _, on = name.partition("=")
+        variants = [[(n, v)] for v in (*(on or "1").split(","), "0")]
+    if any(v == variants[-1] for v in variants[:-1]):
+        raise SystemExit(f"--switch {name}: a variant is the switches-off one (0); name the value to time against 0")
+    return variants
+
+
 def alternate(model, state: ConversationState, name: str, rounds: int = 3) -> None:
     """The graphed step with one switch on, off, on, off...: a change's effect without machine drift.
     Each variant also answers one fixed step and verify, from the same state, and its logits are
@@ -296,12 +313,7 @@ def alternate(model, state: ConversationState, name: str, rounds: int = 3) -> No
     import os
     import statistics
 
-    if "+" in name:  # A=1+B=2: several switches set together, alternated with all of them 0
-        settings = [part.partition("=") for part in name.split("+")]
-        variants = [[(n, v or "1") for n, _, v in settings], [(n, "0") for n, _, _ in settings]]
-    else:  # NAME=VALUE alternates VALUE and 0; NAME=V1,V2 each of them and 0
-        n, _, on = name.partition("=")
-        variants = [[(n, v)] for v in (*(on or "1").split(","), "0")]
+    variants = switch_variants(name)
     before = {n: os.environ.get(n) for n, _ in variants[0]}
     labels = ["+".join(f"{n}={v}" for n, v in variant) for variant in variants]
     times: dict[str, list[tuple[float, float]]] = {label: [] for label in labels}

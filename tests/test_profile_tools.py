@@ -112,6 +112,23 @@ def test_the_gpu_queue_names_only_switches_the_code_reads():
     assert not unread, unread
 
 
+def test_every_switch_the_gpu_queue_alternates_times_something_against_off():
+    """`--switch NAME=0` alternated 0 with 0 (sessions 25-26 queued one): each variant must differ
+    from the switches-off one, and profile_step refuses one that does not."""
+    import re
+
+    queue = (Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_queue.sh").read_text()
+    switches = [m.strip('"') for m in re.findall(r"--switch\s+(\"[^\"]+\"|\S+)", queue)]
+    assert len(switches) >= 10
+    for switch in switches:
+        variants = profile_step.switch_variants(switch)
+        assert len(variants) >= 2 and all(v != variants[-1] for v in variants[:-1]), switch
+    with pytest.raises(SystemExit, match="switches-off"):
+        profile_step.switch_variants("SPARKCHAT_MOE_TILE_X=0")
+    assert profile_step.switch_variants("SPARKCHAT_MOE_TILE_X=1") == [[("SPARKCHAT_MOE_TILE_X", "1")],
+                                                                      [("SPARKCHAT_MOE_TILE_X", "0")]]
+
+
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
 def test_the_gpu_queue_moe_configs_parse(monkeypatch):
     """Each SPARKCHAT_MOE_CONFIG value the queue alternates names real MoeConfig fields (a typo raises)."""
