@@ -451,6 +451,10 @@ class _Tally:
         for name in ("accept_length_mean", "accept_length_last", "accept_rate_per_position", "verify_decode_ratio"):
             if server.get(name) is not None:
                 setattr(st, name, server[name])
+        for name in ("bytes_per_token", "read_bw_bytes_s"):  # the server's machine: its memory's limit
+            value = server.get(name)
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+                setattr(st, name, value)
         if isinstance(server.get("switches"), dict):
             st.switches = dict(server["switches"])
         if st.accept_length_mean is None:

@@ -72,6 +72,8 @@ def test_remote_equals_embedded_greedy(server, engine):
     assert stats.prompt_tokens == len(engine.tokenizer.encode_chat(HELLO))
     assert stats.ttft_s > 0 and stats.decode_tok_s > 0 and stats.prefill_tok_s > 0
     assert stats.switches["mtp"] is False  # the server's engine settings, as it reported them
+    # the server machine's memory limit: what a step reads there, and its read bandwidth
+    assert stats.bytes_per_token > 0 and stats.read_bw_bytes_s > 0
 
 
 def test_remote_without_thinking_and_non_streamed(server, engine):
