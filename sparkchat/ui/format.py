@@ -100,20 +100,19 @@ def accept_text(stats: Any) -> str | None:
 
 
 def bandwidth_text(stats: Any) -> str | None:
-    """'4.42 GB/tok · limit 61.8 tok/s (85%)': the bytes a plain decode step reads, the fastest plain
-    decoding can go at the read bandwidth measured on this machine, and the answer's speed as a share of
-    it (over 100%: speculation reads the weights once for several tokens). None without the figures."""
+    """'85% of limit 52.9 tok/s · 4.42 GB/tok': the answer's speed as a share of the fastest plain
+    decoding could go at the read bandwidth measured on this machine (over 100%: speculation reads the
+    weights once for several tokens), then the bytes a plain decode step reads — the share first, as
+    the line's most telling part. None without the figures."""
     nbytes = _get(stats, "bytes_per_token", 0) or 0
     bw = _get(stats, "read_bw_bytes_s", 0.0) or 0.0
     if not nbytes or not bw:
         return None
     limit = bw / nbytes
     size = f"{nbytes / 1e9:.2f} GB" if nbytes >= 1e9 else f"{nbytes / 1e6:.1f} MB"
-    text = f"{size}/tok · limit {limit:,.1f} tok/s"
     rate = _get(stats, "decode_tok_s", 0.0) or 0.0
-    if rate:
-        text += f" ({100 * rate / limit:.0f}%)"
-    return text
+    share = f"{100 * rate / limit:.0f}% of " if rate else ""
+    return f"{share}limit {limit:,.1f} tok/s · {size}/tok"
 
 
 def summary_line(stats: Any, finish_reason: str | None) -> str:

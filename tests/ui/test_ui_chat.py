@@ -81,7 +81,7 @@ async def test_live_stats_while_streaming(make_app):
         detail = static_text(bar.query_one("#stats-detail"))
         assert "MTP accept 2.75 (last 3) · per draft 90% 70% 45%" in detail
         assert "peak 41.5 GiB" in detail and "streaming…" in detail
-        assert "4.42 GB/tok · limit 936.7 tok/s (21%)" in detail  # how close to the memory's limit
+        assert "21% of limit 936.7 tok/s · 4.42 GB/tok" in detail  # how close to the memory's limit
         assert "200.0 tok/s" in static_text(bar.query_one("#stats-rate"))
         latency = static_text(bar.query_one("#stats-latency"))
         assert "TTFT 50 ms" in latency and "prefill 1,500 tok/s" in latency and "TPOT 5.0 ms" in latency

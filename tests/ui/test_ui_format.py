@@ -63,12 +63,12 @@ def test_summary_line_and_accept():
 def test_bandwidth_text_says_how_close_to_the_memory_limit_the_answer_runs():
     # Ling-3.0-flash-fp4 with the FP8 head on the DGX Spark: 4.42 GB a token at 234 GB/s
     stats = GenerationStats(decode_tok_s=45.0, bytes_per_token=4_420_000_000, read_bw_bytes_s=234e9)
-    assert bandwidth_text(stats) == "4.42 GB/tok · limit 52.9 tok/s (85%)"
+    assert bandwidth_text(stats) == "85% of limit 52.9 tok/s · 4.42 GB/tok"
     # speculation reads the weights once for several tokens: past the plain decoding limit
     assert bandwidth_text(GenerationStats(decode_tok_s=75.0, bytes_per_token=4_420_000_000,
-                                          read_bw_bytes_s=234e9)).endswith("(142%)")
+                                          read_bw_bytes_s=234e9)).startswith("142% of limit")
     small = {"bytes_per_token": 22_900_000, "read_bw_bytes_s": 28e9}  # as the history saves stats; no rate yet
-    assert bandwidth_text(small) == "22.9 MB/tok · limit 1,222.7 tok/s"
+    assert bandwidth_text(small) == "limit 1,222.7 tok/s · 22.9 MB/tok"
     assert bandwidth_text(GenerationStats(decode_tok_s=9.0)) is None  # a remote engine: no figures
 
 

@@ -120,12 +120,12 @@ class StatsBar(Vertical):
             detail.append(accept)
         else:
             detail.append("MTP off" if not mtp_on else "MTP —", style="dim")
-        memory = bandwidth_text(stats)
-        if memory:  # how close to the memory's limit this runs: the "why" of the speed
-            detail.append(f" │ {memory}")
         if stats.peak_memory_bytes:
             detail.append(f" │ peak {format_bytes(stats.peak_memory_bytes)}")
         state = FINISH_LABELS.get(finish_reason, finish_reason) if finish_reason else "streaming…"
         detail.append(" │ ")
         detail.append(state, style="bold" if finish_reason is None else "")
+        memory = bandwidth_text(stats)
+        if memory:  # how close to the memory's limit this runs (last: a narrow terminal cuts it first)
+            detail.append(f" │ {memory}")
         self.query_one("#stats-detail", Static).update(detail, layout=False)
