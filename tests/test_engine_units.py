@@ -236,6 +236,27 @@ def test_an_answers_stats_carry_the_bytes_a_token_reads_and_the_read_bandwidth(t
     assert sizes[False] - sizes[True] == head.numel() * (head.element_size() - 1) - 4 * head.shape[0]
 
 
+def test_the_read_bandwidth_steps_down_where_a_loaded_model_leaves_no_room(monkeypatch):
+    """On a GPU nearly filled by the model, the 1 GiB buffer does not fit: 256 MiB then, else no
+    figure (0.0) — never a failed load."""
+    from sparkchat.engine import traffic
+
+    tried = []
+
+    def measure(device, nbytes, iters):
+        tried.append(nbytes)
+        if nbytes > room:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+        return 4.0e12
+
+    monkeypatch.setattr(traffic, "measure_read_bandwidth", measure)
+    cuda = torch.device("cuda")
+    for room, want, sizes in ((2 << 30, 4.0e12, [1 << 30]), (512 << 20, 4.0e12, [1 << 30, 256 << 20]),
+                              (64 << 20, 0.0, [1 << 30, 256 << 20])):
+        tried.clear()
+        assert traffic.read_bandwidth.__wrapped__(cuda) == want and tried == sizes
+
+
 def test_config_refuses_other_models():
     with pytest.raises(ModelError, match="unsupported model_type 'llama'"):
         ModelConfig.from_dict({"model_type": "llama"})

@@ -94,13 +94,19 @@ def measure_read_bandwidth(device: torch.device, nbytes: int | None = None, iter
 @functools.lru_cache(maxsize=None)
 def read_bandwidth(device: torch.device) -> float:
     """This process's figure for `device`, measured once (on a GPU over 1 GiB, a quarter of the bench's
-    buffer and still many times any L2; on the CPU as the bench does, in fewer sums): what the chat's
-    live stats quote against."""
-    cuda = device.type == "cuda"
-    bw = measure_read_bandwidth(device, (1 << 30) if cuda else None, iters=10 if cuda else 3)
-    if cuda:  # give the buffer's block back: on the Spark the GPU's memory is everyone's memory
-        torch.cuda.empty_cache()
-    return bw
+    buffer and still many times any L2, or 256 MiB where a loaded model leaves less; on the CPU as the
+    bench does, in fewer sums): what the chat's live stats quote against. 0.0 where no buffer fits —
+    the stats then leave the figure out rather than the load failing for it."""
+    if device.type != "cuda":
+        return measure_read_bandwidth(device, None, iters=3)
+    for nbytes in (1 << 30, 256 << 20):
+        try:
+            return measure_read_bandwidth(device, nbytes, iters=10)
+        except torch.cuda.OutOfMemoryError:
+            continue
+        finally:  # give the buffer's block back: on the Spark the GPU's memory is everyone's memory
+            torch.cuda.empty_cache()
+    return 0.0
 
 
 def median_time(fn: Callable[[], Any], device: torch.device, iters: int) -> float:
