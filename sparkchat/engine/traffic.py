@@ -23,6 +23,13 @@ def tensor_bytes(*ts: torch.Tensor | None) -> int:
     return sum(t.numel() * t.element_size() for t in ts if t is not None)
 
 
+def _expert_bytes(experts: Any) -> int:
+    """One routed expert's weights (and MXFP4 scales) as a MoE kernel reads them."""
+    mx = experts.is_mxfp4
+    return tensor_bytes(experts.w13[0], experts.w2[0], experts.w13_scale[0] if mx else None,
+                        experts.w2_scale[0] if mx else None)
+
+
 def _modules_bytes(model: LingModel, modules: Iterable[Any]) -> int:
     """Bytes one token's pass through `modules` reads (KDA states also written): each linear once (a
     fused projection's parts as the fused weight), a MoE's router and `num_experts_per_tok` experts."""
@@ -37,11 +44,7 @@ def _modules_bytes(model: LingModel, modules: Iterable[Any]) -> int:
             else:
                 total += tensor_bytes(m.weight, m.weight_scale_inv)
         elif isinstance(m, MoE):
-            ex = m.experts
-            per_expert = tensor_bytes(ex.w13[0], ex.w2[0],
-                                       ex.w13_scale[0] if ex.is_mxfp4 else None,
-                                       ex.w2_scale[0] if ex.is_mxfp4 else None)
-            total += cfg.num_experts_per_tok * per_expert + tensor_bytes(m.gate.weight)
+            total += cfg.num_experts_per_tok * _expert_bytes(m.experts) + tensor_bytes(m.gate.weight)
         elif isinstance(m, KimiDeltaAttention):
             total += 2 * cfg.num_attention_heads * cfg.head_dim ** 2 * 4  # fp32 state read + write
     return total
@@ -74,9 +77,7 @@ def verify_bytes(model: LingModel, context: int, tokens: int, distinct_experts: 
     (the verify reads it and leaves it; the commit after it reads and writes it: kda_commit)."""
     cfg = model.cfg
     moe = [m for m in model.modules() if isinstance(m, MoE) and m is not getattr(model.mtp, "mlp", None)]
-    ex = moe[0].experts if moe else None
-    per_expert = 0 if ex is None else tensor_bytes(ex.w13[0], ex.w2[0], ex.w13_scale[0] if ex.is_mxfp4 else None,
-                                                    ex.w2_scale[0] if ex.is_mxfp4 else None)
+    per_expert = _expert_bytes(moe[0].experts) if moe else 0
     kda_layers = sum(isinstance(m, KimiDeltaAttention) for m in model.modules())
     kept = kda_layers * cfg.num_attention_heads * (cfg.head_dim ** 2 + tokens * 4 * cfg.head_dim) * 4
     extra = max(0.0, distinct_experts - cfg.num_experts_per_tok) * per_expert * len(moe)
