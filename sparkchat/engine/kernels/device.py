@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
+
+
+def interpreting() -> bool:
+    """True under Triton's CPU interpreter (TRITON_INTERPRET=1), where the kernels run on CPU tensors."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @functools.lru_cache(maxsize=None)  # asked per launch on eager paths; the answer never changes

@@ -26,14 +26,13 @@ Shapes N and K are constexpr (the model's exact shapes); the token count is not.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, replace
 
 import torch
 import triton
 import triton.language as tl
 
-from sparkchat.engine.kernels.device import max_shared_memory
+from sparkchat.engine.kernels.device import interpreting, max_shared_memory
 from sparkchat.engine.kernels.fp8_gemv import SCALE_BLOCK  # the release's weight_block_size, both ways
 from sparkchat.engine.kernels.mma_tiles import mma, per_col, per_row, to_bf16, zeros_acc
 
@@ -174,9 +173,6 @@ def sweep_configs(M: int, N: int, K: int, device=None) -> list[GemmConfig]:
     return keep
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
 
 # Prompts longer than this go to fp8_dequant + a bf16 torch matmul: on the H200 the two are even at 512
 # tokens (docs/benchmarks.md, session 19); where bandwidth is scarcer (the DGX Spark) the GEMM's saving
@@ -191,7 +187,7 @@ def _check_weight(w: torch.Tensor, scale_inv: torch.Tensor) -> None:
     block = SCALE_BLOCK.value
     assert scale_inv.shape == (triton.cdiv(N, block), triton.cdiv(K, block)), \
         f"scale_inv {tuple(scale_inv.shape)} for w {tuple(w.shape)}"
-    if not _interpreting():
+    if not interpreting():
         assert w.is_cuda, "the FP8 prompt kernels run on CUDA (quant.dequant_fp8_block is their twin)"
 
 
@@ -202,7 +198,7 @@ def fp8_dequant(w: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
     out = torch.empty(N, K, dtype=torch.bfloat16, device=w.device)
     bn, bk = 32, 256
     fp8_dequant_kernel[(triton.cdiv(N, bn), triton.cdiv(K, bk))](w, scale_inv, out, N=N, K=K, BN=bn, BK=bk,
-                                                                  INTERPRET=_interpreting(), num_warps=4)
+                                                                  INTERPRET=interpreting(), num_warps=4)
     return out
 
 
@@ -237,6 +233,6 @@ def fp8_block_gemm(x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor, *,
         m = xs.shape[0]
         grid = (triton.cdiv(m, cfg.bm) * triton.cdiv(N, cfg.bn),)
         fp8_block_gemm_kernel[grid](xs, w, scale_inv, ys, m, N=N, K=K, BM=cfg.bm, BN=cfg.bn, BK=cfg.bk,
-                                    GROUP=cfg.group, SWAP=cfg.swap, INTERPRET=_interpreting(),
+                                    GROUP=cfg.group, SWAP=cfg.swap, INTERPRET=interpreting(),
                                     num_warps=cfg.warps, num_stages=cfg.stages)
     return out

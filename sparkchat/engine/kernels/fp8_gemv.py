@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from sparkchat.engine.kernels.counters import arrival_counters
+from sparkchat.engine.kernels.device import interpreting
 from sparkchat.engine.kernels.norm_rows import SCALE_BLOCK, _norm_rows, norm_rows_kernel
 from sparkchat.engine.kernels.packed_acts import _store_packed
 from sparkchat.engine.kernels.pdl import pdl_args, pdl_wait
@@ -224,8 +225,6 @@ def fp8_gemv_kernel(
             ws, xs = _gemv_loads(x_ptr, w_ptr, s_ptr, r0, k0, sub, kk, T, N, K, KB, BN, RS, EVEN_N, EVEN_K,
                                  SCALE, XSTRIDE, XU, X_SWIGLU, lim, xn, XN, XN_WRITE, XN_HX, INTERPRET, xn_hx_ptr)
             accs = _gemv_step(accs, ws, xs, T, RS, ROW_ACC, KACC)
-    best_v = ()
-    best_i = ()
     for t in tl.static_range(T):
         for r in tl.static_range(RS):
             rows = r0 + r * BN + sub
@@ -592,9 +591,6 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
 
 def _check_x_w(x: torch.Tensor, w: torch.Tensor) -> tuple[int, int, int]:
     T, K = x.shape
@@ -604,7 +600,7 @@ def _check_x_w(x: torch.Tensor, w: torch.Tensor) -> tuple[int, int, int]:
     assert w.dtype == torch.float8_e4m3fn and w.is_contiguous(), "w must be contiguous float8_e4m3fn [N, K]"
     assert 1 <= T <= 8, f"T={T}: GEMV serves decode windows of 1..8 tokens"
     assert K % 16 == 0, "K must be a multiple of 16"
-    if not _interpreting():
+    if not interpreting():
         assert x.is_cuda and w.is_cuda, "fp8 GEMV runs on CUDA (use the *_reference twins on CPU)"
     return T, N, K
 
@@ -696,14 +692,14 @@ class SplitNorm:
         T, N = self.s.shape
         planes = {} if self.planes is None else dict(hx_ptr=self.planes, MOE_X=True)
         norm_rows_kernel[(1,)](self.s, self.ssq, self.weight, h, float(self.eps), NSQ=self.ssq.shape[1], T=T, N=N,
-                               INTERPRET=_interpreting(), num_warps=8, **planes, **pdl_args(h.device))
+                               INTERPRET=interpreting(), num_warps=8, **planes, **pdl_args(h.device))
         return h
 
     def kernel_args(self, h: torch.Tensor) -> dict:
         """fp8_gemv_kernel's arguments for reading x as this norm's output (its x_ptr: self.s)."""
         nsq = self.ssq.shape[1]
         args = dict(xn_ssq_ptr=self.ssq, xn_w_ptr=self.weight, xn_h_ptr=h, xn_eps=float(self.eps), XN_NSQ=nsq,
-                    XN_NSQP=_pow2(nsq), XN_WRITE=self.write, INTERPRET=_interpreting())
+                    XN_NSQP=_pow2(nsq), XN_WRITE=self.write, INTERPRET=interpreting())
         if self.planes is not None and self.write:
             args.update(xn_hx_ptr=self.planes, XN_HX=True)
         return args
@@ -842,7 +838,7 @@ def _moe_x_output(h: torch.Tensor, want: bool) -> dict:
     if not want or h.shape[1] % 8:
         return {}
     h.moe_x = torch.empty_like(h)
-    return dict(hx_ptr=h.moe_x, MOE_X=True, INTERPRET=_interpreting())
+    return dict(hx_ptr=h.moe_x, MOE_X=True, INTERPRET=interpreting())
 
 
 def fp8_block_gemv_swiglu(

@@ -26,14 +26,13 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from dataclasses import dataclass, replace
 
 import torch
 import triton
 import triton.language as tl
 
-from sparkchat.engine.kernels.device import max_shared_memory
+from sparkchat.engine.kernels.device import interpreting, max_shared_memory
 from sparkchat.engine.kernels.pdl import pdl_args, pdl_wait
 
 
@@ -291,9 +290,6 @@ def default_config(device: torch.device, rank: int, rope: int) -> MlaDecodeConfi
     return cfg if block_n == cfg.block_n else replace(cfg, block_n=block_n)
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
 
 @functools.lru_cache(maxsize=None)
 def _sm_count(index: int) -> int:
@@ -338,7 +334,7 @@ def mla_decode_step(q: torch.Tensor, kv_a: torch.Tensor, g: torch.Tensor, cos: t
     for n, v in (("rank", R), ("rope dims", P), ("nope dims", nope)):
         assert v >= 16 and v & (v - 1) == 0, f"{n}={v}: the kernels want a power of two >= 16"
     assert cfg.block_m >= 16 and cfg.block_n >= 16
-    interp = _interpreting()
+    interp = interpreting()
     if not interp:
         assert q.is_cuda, "mla_decode_step runs on CUDA (use nn.mla.absorbed_step on the CPU)"
     M = T * H

@@ -55,14 +55,13 @@ device's shared memory) and sweep_configs (the benchmark's neighbourhood).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, replace
 
 import torch
 import triton
 import triton.language as tl
 
-from sparkchat.engine.kernels.device import max_shared_memory
+from sparkchat.engine.kernels.device import interpreting, max_shared_memory
 from sparkchat.engine.kernels.mma_tiles import mma, per_col, per_row, to_bf16, zeros_acc
 
 
@@ -341,9 +340,6 @@ def group_by_expert(topk_ids: torch.Tensor, num_experts: int, bm: int) -> Expert
     return ExpertBlocks(order=order.to(torch.int32), meta=meta, num_blocks=NB)
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
 
 @dataclass(frozen=True)
 class _Launch:
@@ -367,7 +363,7 @@ class _Launch:
         w13, layout = self._weights(w13)
         moe_prefill_gate_up_kernel[grid](
             x, blocks.order, blocks.meta, w13, w13_scale, act, float(limit), blocks.num_blocks,
-            H=self.H, I=self.I, K=self.K, BM=c.bm, BN=bn, BK=bk, SWAP=c.swap, INTERPRET=_interpreting(),
+            H=self.H, I=self.I, K=self.K, BM=c.bm, BN=bn, BK=bk, SWAP=c.swap, INTERPRET=interpreting(),
             num_warps=c.warps1, num_stages=c.stages1, **layout)
 
     def stage2(self, act, blocks: ExpertBlocks, rw, w2, w2_scale, part) -> None:
@@ -377,14 +373,14 @@ class _Launch:
         w2, layout = self._weights(w2)
         moe_prefill_down_kernel[grid](
             act, blocks.order, blocks.meta, rw, w2, w2_scale, part, blocks.num_blocks,
-            H=self.H, I=self.I, BM=c.bm, BN=bn, BK=bk, SWAP=c.swap, INTERPRET=_interpreting(),
+            H=self.H, I=self.I, BM=c.bm, BN=bn, BK=bk, SWAP=c.swap, INTERPRET=interpreting(),
             num_warps=c.warps2, num_stages=c.stages2, **layout)
 
     def combine(self, part, out, add=None) -> None:
         bt, bh = self.cfg.bt, _fit(self.cfg.bh, self.H)
         moe_prefill_combine_kernel[(triton.cdiv(self.T, bt), self.H // bh)](
             part, out if add is None else add, out, self.T, H=self.H, K=self.K, BT=bt, BH=bh,
-            HAS_ADD=add is not None, INTERPRET=_interpreting(), num_warps=4)
+            HAS_ADD=add is not None, INTERPRET=interpreting(), num_warps=4)
 
 
 def moe_prefill(
@@ -418,7 +414,7 @@ def moe_prefill(
     assert w2.dtype == torch.uint8 and w2.shape == (E, H, inter // 2) and w2.is_contiguous()
     assert w2_scale.dtype == torch.uint8 and w2_scale.shape == (E, H, inter // 32) and w2_scale.is_contiguous()
     assert T * K * max(H, inter) < 2**31, "too many tokens for int32 offsets: split the call"
-    if not _interpreting():
+    if not interpreting():
         assert x.is_cuda, "moe_prefill runs on CUDA (Experts.forward is the CPU path)"
     cfg = config or prefill_config(T, K, E, H, inter, x.device)
     assert cfg.bm >= 16 and cfg.bm & (cfg.bm - 1) == 0, "bm must be a power of two >= 16 (tl.dot)"

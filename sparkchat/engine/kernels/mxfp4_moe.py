@@ -47,6 +47,7 @@ import triton
 import triton.language as tl
 
 from sparkchat.engine.kernels.counters import arrival_counters
+from sparkchat.engine.kernels.device import interpreting
 from sparkchat.engine.kernels.norm_rows import _norm_rows
 from sparkchat.engine.kernels.packed_acts import _HI16, _X_SCALE, _bf16_round, _store_packed
 from sparkchat.engine.kernels.pdl import pdl_args, pdl_wait
@@ -1087,9 +1088,6 @@ def _fit(block: int, n: int) -> int:
     return b
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
 
 def mxfp4_moe(
     x: torch.Tensor,  # [T, H] bf16
@@ -1139,7 +1137,7 @@ def mxfp4_moe(
     assert w2.dtype == torch.uint8 and w2.shape == (E, H, inter // 2) and w2.is_contiguous()
     assert w2_scale.dtype == torch.uint8 and w2_scale.shape == (E, H, inter // 32) and w2_scale.is_contiguous()
     assert w13.storage_offset() % 4 == 0 and w2.storage_offset() % 4 == 0, "weights must be 4-byte aligned"
-    if not _interpreting():
+    if not interpreting():
         assert x.is_cuda, "mxfp4_moe runs on CUDA (mxfp4_moe_reference is the CPU twin)"
     cfg = config or moe_config(T, H, inter)
     if out is None:
@@ -1303,7 +1301,7 @@ def _plan(T: int, K: int, H: int, inter: int, cfg: MoeConfig, paired: bool = Fal
     rs1, rs2 = _fit(cfg.rs1, inter // bn1), _fit(cfg.rs2, H // bn2)
     assert not (cfg.packed and dedupe), "packed products serve one token per program: use dedupe=False"
     common = dict(T=T, K=K, H=H, I=inter, NT=_pow2(T) if dedupe else 1, K_PAD=_pow2(K), S_PAD=_pow2(T * K),
-                  DEDUPE=dedupe, PREFETCH=cfg.prefetch, PACKED=cfg.packed, INTERPRET=_interpreting(), PAIRED=paired,
+                  DEDUPE=dedupe, PREFETCH=cfg.prefetch, PACKED=cfg.packed, INTERPRET=interpreting(), PAIRED=paired,
                   ACT_PACKED=cfg.packed and cfg.packed_act)  # it feeds the bf16x2 stage 2 only
     vec1, vec2 = cfg.vec1 and cfg.packed, cfg.vec2 and cfg.packed  # one token a program, whole groups a thread
     if vec1:

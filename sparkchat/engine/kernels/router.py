@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from sparkchat.engine.kernels.device import interpreting
 from sparkchat.engine.kernels.fp8_gemv import GemvConfig, plain_gemv_partials, router_scores, take_split_norm
 from sparkchat.engine.kernels.pdl import pdl_args, pdl_trigger, pdl_wait
 
@@ -114,9 +115,6 @@ def route_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, scaling,
         pdl_trigger(PDL)
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
 
 ROUTE_WARPS = 1  # one warp: each selection's reductions are a REDUX each, no shared-memory round trip
 
@@ -132,7 +130,7 @@ def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, groups: int
     # x may be an RMSNorm's output still unwritten, which this GEMV writes as it finishes the norm
     split = take_split_norm(x)
     x = x.contiguous()
-    if T <= 8 and x.dtype == torch.bfloat16 and (x.is_cuda or _interpreting()):
+    if T <= 8 and x.dtype == torch.bfloat16 and (x.is_cuda or interpreting()):
         scored = router_scores_enabled()
         if scored:  # [2, T, E]: the GEMV's last programs made the scores
             logits = router_scores(x, weight, bias, gemv, split_norm=split)
