@@ -2,7 +2,7 @@
 # The GPU runs waiting for a development GPU, as named batches, so a lent machine starts on them at once.
 #
 #   bash benchmarks/gpu_queue.sh wheels        # here (with package registries): the wheels the GPU box lacks
-#   bash benchmarks/gpu_queue.sh quick|first|ab|tests|configs|bench|load   # on the GPU box, logs under $OUT (default ./gpu-out)
+#   bash benchmarks/gpu_queue.sh quick|combo|race|first|ab|tests|configs|bench|load   # on the GPU box, logs under $OUT (default ./gpu-out)
 #
 # The GPU box has torch, triton and transformers, but not this project's other dependencies, nor the
 # transformers the tiny test models need (5.24), and it cannot fetch: `wheels` downloads them into .whl2/
@@ -54,6 +54,30 @@ quick() {
         --switch "SPARKCHAT_SPLIT_MOE_INPUT_NORM=1+SPARKCHAT_MOE_ADD_NORM=2+SPARKCHAT_SHARED_ADD_LATE=1+SPARKCHAT_MOE_SHARED=2" \
         2>&1 | tee "$OUT/quick-ab.txt"
     timeout 240 python3 -m sparkchat bench --context 1024 --iters 20 2>&1 | tee "$OUT/bench.txt"
+}
+
+# The waiting switches together (the quick batch's winner): their GPU tests, the engine with all of them on,
+# the graphed step alternated with off, and `sparkchat bench` with them on.
+combo() {
+    local on="SPARKCHAT_SPLIT_MOE_INPUT_NORM=1 SPARKCHAT_MOE_ADD_NORM=2 SPARKCHAT_SHARED_ADD_LATE=1 SPARKCHAT_MOE_SHARED=2"
+    timeout 100 python3 -m pytest -q tests/test_kernels.py -k "finished_by_the_router_gpu or finishing_the_moe_norm_gpu \
+        or add_rms_norm_gpu or shared_expert_in_the_stages_gpu" 2>&1 | tail -5 | tee "$OUT/combo-kernels.txt"
+    tiny_models || return 1
+    # shellcheck disable=SC2086  # $on holds several assignments
+    env $on timeout 150 python3 -m pytest -q -x tests/test_gpu_engine.py -k "fast_path_matches or lossless" 2>&1 \
+        | tail -5 | tee "$OUT/combo-engine.txt"
+    timeout 150 python3 benchmarks/profile_step.py --rounds 3 --switch "${on// /+}" 2>&1 | tee "$OUT/combo-ab.txt"
+    # shellcheck disable=SC2086
+    env $on timeout 150 python3 -m sparkchat bench --context 1024 --iters 20 2>&1 | tee "$OUT/combo-bench.txt"
+}
+
+# The same graphed step replayed from one state many times, per switch: a race shows as replays that
+# answer differently (session 27: the four switches together once answered one token far from off).
+race() {
+    timeout 400 python3 benchmarks/race_check.py --replays 12 --switch SPARKCHAT_SPLIT_MOE_INPUT_NORM=1 \
+        --switch SPARKCHAT_MOE_ADD_NORM=2 --switch SPARKCHAT_SHARED_ADD_LATE=1 --switch SPARKCHAT_MOE_SHARED=2 \
+        --switch "SPARKCHAT_SPLIT_MOE_INPUT_NORM=1+SPARKCHAT_MOE_ADD_NORM=2+SPARKCHAT_SHARED_ADD_LATE=1+SPARKCHAT_MOE_SHARED=2" \
+        2>&1 | tee "$OUT/race.txt"
 }
 
 # The tiny models once for every engine test run after it (the test's fixture takes them prebuilt).
@@ -124,6 +148,6 @@ load() {  # the checkpoint reader to the GPU: mmap vs plain reads, and the page 
 
 case "${1:-}" in
     wheels) wheels ;;
-    quick|first|ab|tests|configs|bench|load) install_wheels; "$1" ;;
-    *) echo "usage: $0 wheels|quick|first|ab|tests|configs|bench|load" >&2; exit 2 ;;
+    quick|combo|race|first|ab|tests|configs|bench|load) install_wheels; "$1" ;;
+    *) echo "usage: $0 wheels|quick|combo|race|first|ab|tests|configs|bench|load" >&2; exit 2 ;;
 esac
