@@ -2,7 +2,7 @@
 # The GPU runs waiting for a development GPU, as named batches, so a lent machine starts on them at once.
 #
 #   bash benchmarks/gpu_queue.sh wheels        # here (with package registries): the wheels the GPU box lacks
-#   bash benchmarks/gpu_queue.sh quick|combo|race|first|ab|tests|configs|bench|load   # on the GPU box, logs under $OUT (default ./gpu-out)
+#   bash benchmarks/gpu_queue.sh quick|race|first|ab|tests|configs|bench|load   # on the GPU box, logs under $OUT (default ./gpu-out)
 #
 # The GPU box has torch, triton and transformers, but not this project's other dependencies, nor the
 # transformers the tiny test models need (5.24), and it cannot fetch: `wheels` downloads them into .whl2/
@@ -44,31 +44,16 @@ ab() {
         --rounds 3 2>&1 | tee "$OUT/ab.txt"
 }
 
-# What a short loan runs first, most telling per minute: every waiting switch once against off in one
-# process (each variant's logits checked against off's, so a broken one shows), then `sparkchat bench`.
+# What a short loan runs first, most telling per minute: `sparkchat bench` with the session-27 defaults
+# (the headline row and the Spark projection, on the H200); whether MOE_SHARED=2's wrong one-token answers
+# (docs/benchmarks.md session 27) need PDL; the one-token KDA launch shapes in the graphed step.
 quick() {
-    timeout 330 python3 benchmarks/profile_step.py --rounds 1 --switch SPARKCHAT_MOE_TILE_X=1 \
-        --switch SPARKCHAT_SPLIT_MOE_INPUT_NORM=1 --switch SPARKCHAT_MOE_ADD_NORM=2 \
-        --switch SPARKCHAT_SHARED_ADD_LATE=1 --switch SPARKCHAT_MOE_SHARED=2 --switch SPARKCHAT_ROUTE_LATE_TRIGGER=1 \
-        --switch "SPARKCHAT_SPLIT_MOE_INPUT_NORM=1+SPARKCHAT_MOE_ADD_NORM=2+SPARKCHAT_SHARED_ADD_LATE=1" \
-        --switch "SPARKCHAT_SPLIT_MOE_INPUT_NORM=1+SPARKCHAT_MOE_ADD_NORM=2+SPARKCHAT_SHARED_ADD_LATE=1+SPARKCHAT_MOE_SHARED=2" \
-        2>&1 | tee "$OUT/quick-ab.txt"
     timeout 240 python3 -m sparkchat bench --context 1024 --iters 20 2>&1 | tee "$OUT/bench.txt"
-}
-
-# The waiting switches together (the quick batch's winner): their GPU tests, the engine with all of them on,
-# the graphed step alternated with off, and `sparkchat bench` with them on.
-combo() {
-    local on="SPARKCHAT_SPLIT_MOE_INPUT_NORM=1 SPARKCHAT_MOE_ADD_NORM=2 SPARKCHAT_SHARED_ADD_LATE=1 SPARKCHAT_MOE_SHARED=2"
-    timeout 100 python3 -m pytest -q tests/test_kernels.py -k "finished_by_the_router_gpu or finishing_the_moe_norm_gpu \
-        or add_rms_norm_gpu or shared_expert_in_the_stages_gpu" 2>&1 | tail -5 | tee "$OUT/combo-kernels.txt"
-    tiny_models || return 1
-    # shellcheck disable=SC2086  # $on holds several assignments
-    env $on timeout 150 python3 -m pytest -q -x tests/test_gpu_engine.py -k "fast_path_matches or lossless" 2>&1 \
-        | tail -5 | tee "$OUT/combo-engine.txt"
-    timeout 150 python3 benchmarks/profile_step.py --rounds 3 --switch "${on// /+}" 2>&1 | tee "$OUT/combo-ab.txt"
-    # shellcheck disable=SC2086
-    env $on timeout 150 python3 -m sparkchat bench --context 1024 --iters 20 2>&1 | tee "$OUT/combo-bench.txt"
+    timeout 120 python3 benchmarks/race_check.py --replays 3 --tokens 1 \
+        --start-after "SPARKCHAT_MOE_SHARED=2+SPARKCHAT_PDL=1" --switch "SPARKCHAT_MOE_SHARED=2+SPARKCHAT_PDL=1" \
+        --switch SPARKCHAT_MOE_SHARED=2 --switch SPARKCHAT_PDL=1 2>&1 | tee "$OUT/race-shared.txt"
+    timeout 200 python3 benchmarks/profile_step.py --rounds 1 --switch SPARKCHAT_KDA_LAUNCH1=8x2,2x4,4x2,2x8 \
+        2>&1 | tee "$OUT/quick-ab.txt"
 }
 
 # The same graphed step replayed from one state many times, per switch: a race shows as replays that
@@ -148,6 +133,6 @@ load() {  # the checkpoint reader to the GPU: mmap vs plain reads, and the page 
 
 case "${1:-}" in
     wheels) wheels ;;
-    quick|combo|race|first|ab|tests|configs|bench|load) install_wheels; "$1" ;;
-    *) echo "usage: $0 wheels|quick|combo|race|first|ab|tests|configs|bench|load" >&2; exit 2 ;;
+    quick|race|first|ab|tests|configs|bench|load) install_wheels; "$1" ;;
+    *) echo "usage: $0 wheels|quick|race|first|ab|tests|configs|bench|load" >&2; exit 2 ;;
 esac
