@@ -133,6 +133,7 @@ def download(
     if offline or _offline_env():
         return _from_cache(repo_id, rev, cache, reason="offline mode is on")
 
+    _use_timeouts()
     try:
         commit, files = _remote_listing(repo_id, rev, endpoint)
     except _Unreachable as e:
@@ -195,6 +196,44 @@ class _Unreachable(Exception):
     pass
 
 
+@dataclass(frozen=True)
+class HubTimeouts:
+    """Seconds a Hub request may wait. huggingface_hub's client has none (its API calls pass timeout=None),
+    so a host that accepts the connection and never answers would hang `download` forever."""
+
+    connect: float = 10.0  # to open a connection
+    read: float = 60.0  # between two reads: a stall, not a total (a 70 GB file takes what it takes)
+
+
+TIMEOUTS = HubTimeouts()  # read at each request: tests swap in short ones
+_timeouts_installed = False
+
+
+def _apply_timeouts(request: Any) -> None:
+    """An httpx request hook: every Hub request waits TIMEOUTS, whatever its caller passed."""
+    t = TIMEOUTS
+    request.extensions = {**request.extensions,
+                          "timeout": {"connect": t.connect, "read": t.read, "write": t.read, "pool": t.read}}
+
+
+def _use_timeouts() -> None:
+    """huggingface_hub's own client, plus the timeout hook (installed once per process)."""
+    global _timeouts_installed
+    if _timeouts_installed:
+        return
+    from huggingface_hub import set_client_factory
+    from huggingface_hub.utils._http import default_client_factory
+
+    def factory() -> Any:
+        client = default_client_factory()
+        hooks = client.event_hooks
+        client.event_hooks = {**hooks, "request": [*hooks["request"], _apply_timeouts]}
+        return client
+
+    set_client_factory(factory)
+    _timeouts_installed = True
+
+
 def _remote_listing(repo_id: str, rev: str, endpoint: str) -> tuple[str, list[_RemoteFile]]:
     """Resolve the revision and list the files we want, with sizes (one repo_info + one tree call)."""
     import httpx2
@@ -204,7 +243,8 @@ def _remote_listing(repo_id: str, rev: str, endpoint: str) -> tuple[str, list[_R
 
     api = HfApi(endpoint=endpoint, library_name="sparkchat")
     try:
-        commit = rev if _COMMIT.match(rev) else api.repo_info(repo_id, revision=rev).sha
+        # asked for a commit too: one plain request shows an unreachable host (the tree listing retries)
+        commit = api.repo_info(repo_id, revision=rev).sha
         entries = [e for e in api.list_repo_tree(repo_id, revision=commit, recursive=True) if isinstance(e, RepoFile)]
     except (httpx2.ConnectError, httpx2.TimeoutException, OfflineModeIsEnabled) as e:
         raise _Unreachable(_first_line(e)) from None

@@ -18,6 +18,7 @@ import hmac
 import json
 import select
 import socket
+import sys
 import threading
 import time
 from collections import deque
@@ -222,6 +223,13 @@ class _HTTPServer(ThreadingHTTPServer):
     request_queue_size = 128  # 50 clients connecting at once must not overflow the listen backlog
     app: ChatServer
 
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """One log line, never a traceback: most often a client that left while we wrote to it."""
+        e = sys.exc_info()[1]
+        if self.app.log and e is not None:
+            what = "client went away" if isinstance(e, ConnectionError) else "request failed"
+            self.app.log(f"{client_address[0]} {what}: {_one_line(e)}")
+
 
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
@@ -283,11 +291,11 @@ class _Handler(BaseHTTPRequestHandler):
         if self.headers.get("Transfer-Encoding", "").lower() == "chunked" or length is None:
             self.close_connection = True
             raise RequestError(411, "send the request body with a Content-Length header", code="length_required")
-        try:
-            n = int(length)
-        except ValueError:
+        n = _content_length(length)
+        if n is None:  # read(-1) would wait for the client to close: refuse at once
             self.close_connection = True
-            raise RequestError(400, "bad Content-Length header", code="invalid_request") from None
+            raise RequestError(400, f"bad Content-Length header {length[:20]!r}: expected a byte count",
+                               code="invalid_request")
         if n > MAX_BODY_BYTES:
             self.close_connection = True
             raise RequestError(413, f"the request body is over {MAX_BODY_BYTES // (1024 * 1024)} MiB",
@@ -297,11 +305,8 @@ class _Handler(BaseHTTPRequestHandler):
     def _discard_body(self) -> None:
         """Read a body we will not use, so the connection can go on (or at least close cleanly: closing
         with unread bytes makes the kernel reset it, and the client may lose our answer)."""
-        try:
-            n = int(self.headers.get("Content-Length") or 0)
-        except ValueError:
-            n = -1
-        if 0 <= n <= MAX_BODY_BYTES and self.headers.get("Transfer-Encoding", "").lower() != "chunked":
+        n = _content_length(self.headers.get("Content-Length") or "0")
+        if n is not None and n <= MAX_BODY_BYTES and self.headers.get("Transfer-Encoding", "").lower() != "chunked":
             self.rfile.read(n)
         else:
             self.close_connection = True
@@ -488,7 +493,14 @@ class _Handler(BaseHTTPRequestHandler):
             self.close_connection = True
 
 
-def _one_line(e: Exception) -> str:
+def _content_length(value: str) -> int | None:
+    """A Content-Length header's byte count; None unless it is plain ASCII digits (int() would take
+    "-1", "+5", "1_000" and other scripts' digits)."""
+    value = value.strip()
+    return int(value) if value.isascii() and value.isdigit() else None
+
+
+def _one_line(e: BaseException) -> str:
     if isinstance(e, SparkchatError):
         return str(e)
     return f"{type(e).__name__}: {' '.join(str(e).split())}"

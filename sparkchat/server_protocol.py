@@ -8,6 +8,7 @@ extension field `"sparkchat": {"token_ids": [...], "stats": {...}}` that other c
 from __future__ import annotations
 
 import json
+import math
 import time
 import uuid
 from dataclasses import dataclass, field, replace
@@ -47,16 +48,29 @@ class ChatRequest:
     model: str | None = None
 
 
+def _as_number(value: Any, kind: type) -> int | float | None:
+    """`value` as `kind`, or None for what is not one: bools, strings, NaN, inf, fractions where an int is
+    wanted, ints too big for a float (Python's json reads NaN, Infinity and ints of any length)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    if isinstance(value, float) and not (math.isfinite(value) and (kind is float or value.is_integer())):
+        return None
+    try:
+        return kind(value)
+    except OverflowError:
+        return None
+
+
 def _number(body: dict[str, Any], name: str, kind: type, low: float | None = None, high: float | None = None,
             low_open: bool = False) -> Any:
-    value = body.get(name)
-    if value is None:
+    raw = body.get(name)
+    if raw is None:
         return None
-    wrong_type = isinstance(value, bool) or not isinstance(value, (int, float))
-    if wrong_type or (kind is int and not float(value).is_integer()):
-        raise RequestError(400, f"'{name}' must be {'an integer' if kind is int else 'a number'}, not {value!r}",
+    value = _as_number(raw, kind)
+    if value is None:
+        shown = repr(raw) if len(repr(raw)) <= 40 else repr(raw)[:37] + "..."
+        raise RequestError(400, f"'{name}' must be {'an integer' if kind is int else 'a number'}, not {shown}",
                            code="invalid_value")
-    value = kind(value)
     if low is not None and (value <= low if low_open else value < low):
         raise RequestError(400, f"'{name}' must be {'above' if low_open else 'at least'} {low}, not {value}",
                            code="invalid_value")
@@ -66,9 +80,8 @@ def _number(body: dict[str, Any], name: str, kind: type, low: float | None = Non
 
 
 def _content_text(content: Any, where: str) -> str:
-    """A message's content: a string, or a list of text parts (other kinds of part are refused)."""
-    if content is None:
-        return ""
+    """A message's content: a string, or a list of text parts (other kinds of part are refused). OpenAI
+    allows null only beside tool calls, which are not supported here."""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
@@ -83,7 +96,9 @@ def _content_text(content: Any, where: str) -> str:
                 raise RequestError(400, f"{where}: only text content is supported, not {kind!r}",
                                    code="unsupported_content")
         return "".join(texts)
-    raise RequestError(400, f"{where}: 'content' must be a string or a list of text parts", code="invalid_value")
+    got = "null" if content is None else type(content).__name__
+    raise RequestError(400, f"{where}.content must be a string or a list of text parts, not {got}",
+                       code="invalid_value")
 
 
 def parse_messages(value: Any) -> list[dict[str, str]]:
@@ -108,7 +123,7 @@ def parse_chat_request(raw: bytes, defaults: SamplingParams | None = None,
     """Parse and check a POST /v1/chat/completions body. Unknown fields are ignored, as OpenAI servers do."""
     try:
         body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (ValueError, RecursionError) as e:  # ValueError: bad UTF-8 or JSON, or an int over 4300 digits
         raise RequestError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
     if not isinstance(body, dict):
         raise RequestError(400, "the request body must be a JSON object", code="invalid_json")
@@ -127,6 +142,7 @@ def parse_chat_request(raw: bytes, defaults: SamplingParams | None = None,
             setattr(params, name, value)
     if top_k is not None:
         params.top_k = max(0, top_k)  # SGLang and vLLM use -1 for "no cut"; the engine uses 0
+    _check_sampling(params)
     n = _number(body, "n", int)
     if n not in (None, 1):
         raise RequestError(400, "only n=1 is supported: answers are decoded one at a time", code="invalid_value")
@@ -151,6 +167,16 @@ def parse_chat_request(raw: bytes, defaults: SamplingParams | None = None,
     if model is not None and not isinstance(model, str):
         raise RequestError(400, "'model' must be a string", code="invalid_value")
     return ChatRequest(messages, params, stream, include_usage, stops, thinking, bool(separate), model or None)
+
+
+def _check_sampling(params: SamplingParams) -> None:
+    """The engine's own check (seed range included), as a 400 before the request waits in line."""
+    from sparkchat.engine.sampling import SamplingError, check_sampling  # torch: the engine has it loaded
+
+    try:
+        check_sampling(params)
+    except SamplingError as e:
+        raise RequestError(400, str(e), code="invalid_value") from None
 
 
 def _held_prefix(text: str, marker: str) -> int:

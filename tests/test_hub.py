@@ -369,3 +369,70 @@ def test_resolve_model(fake: FakeHub, tmp_path: Path):
     path = hub.download(REPO)
     assert hub.resolve_model(REPO) == path
     assert hub.resolve_model(str(path)) == path
+
+
+class SilentHost:
+    """Accepts connections and never answers (a hung proxy or server); holds them until stopped."""
+
+    def __init__(self) -> None:
+        import socket
+
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.held: list = []
+        self._thread = threading.Thread(target=self._accept, daemon=True)
+        self._thread.start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:  # closed by stop()
+                return
+            self.held.append(conn)
+
+    def stop(self) -> None:
+        self.sock.close()
+        for conn in self.held:
+            conn.close()
+
+
+@pytest.mark.parametrize("revision", [None, "0123456789abcdef0123456789abcdef01234567"])
+def test_host_that_never_answers_is_a_clean_error(fake: FakeHub, monkeypatch: pytest.MonkeyPatch, revision):
+    import time
+
+    import huggingface_hub.constants as hc
+
+    silent = SilentHost()
+    monkeypatch.setenv("HF_ENDPOINT", silent.url)
+    monkeypatch.setattr(hc, "ENDPOINT", silent.url)
+    monkeypatch.setattr(hub, "TIMEOUTS", hub.HubTimeouts(connect=1.0, read=1.0))
+    box: dict[str, BaseException] = {}
+
+    def run() -> None:
+        try:
+            hub.download(REPO, revision=revision)
+        except BaseException as e:  # noqa: BLE001 (checked below)
+            box["error"] = e
+
+    t0 = time.monotonic()
+    worker = threading.Thread(target=run, daemon=True)  # a hang fails the test instead of hanging it
+    worker.start()
+    worker.join(10)
+    silent.stop()
+    assert not worker.is_alive(), "download still waiting on a host that never answers"
+    assert time.monotonic() - t0 < 5
+    e = box.get("error")
+    assert isinstance(e, DownloadError), repr(e)
+    msg = str(e)
+    assert "\n" not in msg and "cannot be reached" in msg and silent.url in msg and "timed out" in msg
+
+
+def test_hub_requests_wait_connect_then_read_timeouts(monkeypatch: pytest.MonkeyPatch):
+    """A stall limit per read, not a total: a big file may take hours."""
+    import httpx2
+
+    monkeypatch.setattr(hub, "TIMEOUTS", hub.HubTimeouts())
+    request = httpx2.Request("GET", "http://127.0.0.1/x", extensions={"timeout": httpx2.Timeout(None).as_dict()})
+    hub._apply_timeouts(request)
+    assert request.extensions["timeout"] == {"connect": 10.0, "read": 60.0, "write": 60.0, "pool": 60.0}

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
+import math
 import socket
 import threading
 import time
@@ -253,6 +254,19 @@ def test_disconnect_mid_stream_then_next_answer_is_right(server, engine):
     ({"messages": HELLO, "max_tokens": 0}, 400, "invalid_value", "max_tokens"),
     ({"messages": HELLO, "n": 2}, 400, "invalid_value", "n=1"),
     ({"messages": [{"role": "user", "content": "word " * 2000}]}, 400, "context_length_exceeded", "context holds 512"),
+    # JSON's NaN and Infinity (Python's json reads them) and out-of-range values: 400, never a 500
+    ({"messages": HELLO, "temperature": math.nan}, 400, "invalid_value", "'temperature' must be a number, not nan"),
+    ({"messages": HELLO, "temperature": math.inf}, 400, "invalid_value", "'temperature' must be a number"),
+    ({"messages": HELLO, "top_p": math.nan}, 400, "invalid_value", "'top_p' must be a number"),
+    ({"messages": HELLO, "temperature": 10**400}, 400, "invalid_value", "'temperature' must be a number"),
+    ({"messages": HELLO, "temperature": 1, "seed": 99999999999999999999999}, 400, "invalid_value", "seed must be"),
+    ({"messages": HELLO, "seed": -1}, 400, "invalid_value", "seed must be 0 or more"),
+    ({"messages": [{"role": "user", "content": None}]}, 400, "invalid_value", "messages[0].content must be a string"),
+    ({"messages": [{"role": "user"}]}, 400, "invalid_value", "messages[0].content must be a string"),
+    ({"messages": [{"role": "assistant", "content": None}, *HELLO]}, 400, "invalid_value", "messages[0].content"),
+    pytest.param(b'{"messages": [], "seed": 1' + b"0" * 5000 + b"}", 400, "invalid_json", "not valid JSON",
+                 id="5000-digit-int"),
+    pytest.param(b"[" * 100_000, 400, "invalid_json", "not valid JSON", id="deep-nesting"),
 ])
 def test_bad_requests_get_a_readable_json_error(server, body, status, code, needle):
     got, headers, raw = request(server.url, "POST", "/v1/chat/completions", body)
@@ -260,6 +274,41 @@ def test_bad_requests_get_a_readable_json_error(server, body, status, code, need
     assert got == status and headers["Content-Type"] == "application/json"
     assert err["code"] == code and needle in err["message"] and err["type"]
     assert "\n" not in err["message"]
+
+
+@pytest.mark.parametrize("length", [b"-1", b"+5", b"1_0", b"abc", "\u0661".encode()])
+def test_bad_content_length_is_refused_at_once(length):
+    """Content-Length: -1 used to read until the client closed, then log a BrokenPipeError traceback."""
+    lines: list[str] = []
+    with ChatServer(FakeEngine(), port=0, enable_thinking=False, log=lines.append).start() as srv:
+        sock = socket.create_connection((srv.host, srv.port), timeout=5)
+        body = json.dumps({"messages": HELLO, "max_tokens": 2}).encode()
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %s\r\n\r\n%s" % (length, body))
+        got = b""
+        while b"\r\n\r\n" not in got or not got.rstrip().endswith(b"}"):
+            chunk = sock.recv(4096)  # a server still reading the body times this out
+            if not chunk:
+                break
+            got += chunk
+        sock.close()
+        head, _, raw = got.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 400"), got
+        err = json.loads(raw)["error"]
+        assert err["code"] == "invalid_request" and "Content-Length" in err["message"]
+        wait_for(lambda: lines)
+    assert len(lines) == 1 and "400" in lines[0]
+
+
+def test_a_client_gone_mid_write_is_one_log_line(capsys):
+    """Whatever escapes a handler (a client that left while we wrote) is one line in the log, no traceback."""
+    lines: list[str] = []
+    with ChatServer(FakeEngine(), port=0, log=lines.append) as srv:
+        try:
+            raise BrokenPipeError(32, "Broken pipe")
+        except BrokenPipeError:
+            srv.httpd.handle_error(None, ("10.0.0.7", 5555))
+    assert lines == ["10.0.0.7 client went away: BrokenPipeError: [Errno 32] Broken pipe"]
+    assert "Traceback" not in capsys.readouterr().err
 
 
 def test_unknown_routes_are_json_404(server):
@@ -387,6 +436,22 @@ def test_answer_splitter_holds_back_partial_markers():
     assert s.push("no end </th") == ("no end ", "") and s.flush() == ("</th", "")
     s = AnswerSplitter(thinking=False, stops=["ab"])
     assert s.push("xxa") == ("", "xx") and s.push("c") == ("", "ac") and s.flush() == ("", "")
+
+
+def test_parse_chat_request_checks_what_the_engine_needs():
+    from sparkchat.engine.sampling import MAX_SEED
+
+    def refused(body: dict[str, Any]) -> str:
+        with pytest.raises(RequestError) as e:
+            parse_chat_request(json.dumps(body).encode())
+        assert e.value.status == 400
+        return e.value.message
+
+    assert parse_chat_request(json.dumps({"messages": HELLO, "seed": MAX_SEED}).encode()).params.seed
+    assert "seed" in refused({"messages": HELLO, "seed": MAX_SEED + 1})
+    assert "'max_tokens' must be an integer, not nan" in refused({"messages": HELLO, "max_tokens": math.nan})
+    assert "'top_k' must be an integer" in refused({"messages": HELLO, "top_k": math.inf})
+    assert "messages[1].content" in refused({"messages": [*HELLO, {"role": "user", "content": None}]})
 
 
 def test_parse_chat_request_defaults_and_aliases():

@@ -7,6 +7,7 @@ attention and MLP kinds once, here, so the model code never re-derives them.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,73 @@ _REQUIRED = (
     "num_experts_per_tok", "moe_intermediate_size", "kv_lora_rank", "qk_nope_head_dim",
     "qk_rope_head_dim", "v_head_dim",
 )
+_ALIAS_OF = {official: alias for alias, official in _ALIASES.items()}
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)  # JSON true is no layer count
+
+
+def _is_num(v: Any) -> bool:
+    return (isinstance(v, (int, float)) and not isinstance(v, bool)) and math.isfinite(v)
+
+
+# kind -> (test, what a value must be); the fields of each kind are in _FIELD_KINDS
+_KINDS: dict[str, tuple[Any, str]] = {
+    "pos_int": (lambda v: _is_int(v) and v > 0, "a positive integer"),
+    "count": (lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
+    "pos_num": (lambda v: _is_num(v) and v > 0, "a positive number"),
+    "num": (_is_num, "a finite number"),
+    "bool": (lambda v: isinstance(v, bool), "true or false"),
+    "str": (lambda v: isinstance(v, str), "a string"),
+    "dict": (lambda v: isinstance(v, dict), "a JSON object"),
+    "strs": (lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v), "a list of strings"),
+    "nums": (lambda v: isinstance(v, list) and all(_is_num(x) for x in v), "a list of numbers"),
+    "ids": (lambda v: isinstance(v, list) and all(_is_int(x) and x >= 0 for x in v), "a token id or a list of them"),
+    "pos_ints": (lambda v: isinstance(v, list) and all(_is_int(x) and x > 0 for x in v), "a list of positive integers"),
+}
+# field -> kind; a trailing "?" allows null (the field's default then applies, or the feature is off)
+_FIELD_KINDS: dict[str, str] = {
+    **dict.fromkeys((
+        "hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "num_experts", "num_experts_per_tok",
+        "moe_intermediate_size", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+        "intermediate_size", "head_dim", "n_group", "topk_group", "layer_group_size", "short_conv_kernel_size",
+        "max_position_embeddings"), "pos_int"),
+    **dict.fromkeys(("num_shared_experts", "first_k_dense_replace", "num_nextn_predict_layers"), "count"),
+    **dict.fromkeys(("rope_theta", "rms_norm_eps", "routed_scaling_factor"), "pos_num"),
+    "kda_lower_bound": "num",
+    **dict.fromkeys(("norm_topk_prob", "rope_interleave", "kda_safe_gate", "tie_word_embeddings"), "bool"),
+    "score_function": "str",
+    "num_key_value_heads": "pos_int?", "pad_token_id": "count?", "eos_token_id": "ids",
+    "layer_types": "strs?", "mlp_layer_types": "strs?", "rope_scaling": "dict?",
+    "expert_swiglu_limit_list": "nums?", "share_expert_swiglu_limit_list": "nums?",
+}
+
+
+def _check_kind(name: str, value: Any, kind: str) -> None:
+    """ModelError naming the key (and the alias it may have come from) unless `value` is of `kind`."""
+    if kind.endswith("?"):
+        if value is None:
+            return
+        kind = kind[:-1]
+    test, what = _KINDS[kind]
+    if not test(value):
+        alias = f" (or {_ALIAS_OF[name]})" if name in _ALIAS_OF else ""
+        shown = _shown(value)
+        raise ModelError(f"config.json: {name}{alias} must be {what}, not {shown}")
+
+
+def _shown(value: Any) -> str:
+    """A value as config.json spells it (null, "64", true), cut short."""
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+_QUANT_KINDS = {"fmt": "str?", "scale_fmt": "str?", "weight_block_size": "pos_ints?",
+                "routed_experts_group_size": "pos_int?", "modules_to_not_convert": "strs?", "ignored_layers": "strs?"}
 
 
 @dataclass
@@ -47,6 +115,12 @@ class QuantConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "QuantConfig":
+        for key, kind in _QUANT_KINDS.items():
+            if key in d:
+                _check_kind(f"quantization_config.{key}", d[key], kind)
+        block = d.get("weight_block_size") or [128, 128]
+        if len(block) != 2:
+            raise ModelError(f"config.json: quantization_config.weight_block_size must hold 2 sizes, not {block!r}")
         method = d.get("quant_method")
         if method != "fp8":
             raise ModelError(f"unsupported quantization_config.quant_method {method!r} (supported: 'fp8')")
@@ -55,11 +129,11 @@ class QuantConfig:
             raise ModelError(f"unsupported routed_experts_quant_method {experts!r} (supported: 'mxfp4')")
         return cls(
             quant_method=method,
-            fmt=d.get("fmt", "e4m3"),
-            weight_block_size=tuple(d.get("weight_block_size") or (128, 128)),
+            fmt=d.get("fmt") or "e4m3",
+            weight_block_size=(block[0], block[1]),
             scale_fmt=d.get("scale_fmt"),
             routed_experts_quant_method=experts,
-            routed_experts_group_size=int(d.get("routed_experts_group_size", 32)),
+            routed_experts_group_size=d.get("routed_experts_group_size") or 32,
             modules_to_not_convert=list(d.get("modules_to_not_convert") or d.get("ignored_layers") or []),
         )
 
@@ -120,6 +194,8 @@ class ModelConfig:
         # transformers writes the MLA rope dim into head_dim and the KDA dim into linear_head_dim.
         if "linear_head_dim" in d:
             d["head_dim"] = d["linear_head_dim"]
+        for key in ("rope_parameters", "quantization_config"):
+            _check_kind(key, d.get(key), "dict?")
         rope = d.get("rope_parameters") or {}
         if "rope_theta" not in d and "rope_theta" in rope:
             d["rope_theta"] = rope["rope_theta"]
@@ -129,7 +205,7 @@ class ModelConfig:
         if missing:
             raise ModelError(f"config.json is missing required keys: {', '.join(missing)}")
         eos = d.get("eos_token_id")
-        d["eos_token_id"] = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        d["eos_token_id"] = [] if eos is None else ([eos] if _is_int(eos) else eos)
         q = d.get("quantization_config")
         d["quantization"] = QuantConfig.from_dict(q) if q else None
         names = {f.name for f in fields(cls)}
@@ -151,6 +227,8 @@ class ModelConfig:
         return cls.from_dict(raw)
 
     def __post_init__(self) -> None:
+        for name, kind in _FIELD_KINDS.items():
+            _check_kind(name, getattr(self, name), kind)
         n = self.num_hidden_layers
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
@@ -165,12 +243,14 @@ class ModelConfig:
         bad = set(self.layer_types) - {"full_attention", "linear_attention"}
         if bad:
             raise ModelError(f"unknown layer types {sorted(bad)}")
+        bad = set(self.mlp_layer_types) - {"dense", "sparse"}
+        if bad:
+            raise ModelError(f"unknown mlp layer types {sorted(bad)}")
         self.expert_swiglu_limit_list = self._limits(self.expert_swiglu_limit_list, "expert_swiglu_limit_list")
         self.share_expert_swiglu_limit_list = self._limits(
             self.share_expert_swiglu_limit_list, "share_expert_swiglu_limit_list"
         )
-        if self.num_experts % self.n_group:
-            raise ModelError(f"num_experts {self.num_experts} is not divisible by n_group {self.n_group}")
+        self._check_shapes()
         if self.q_lora_rank is not None:
             raise ModelError("q_lora_rank is set; Ling-3.0-flash uses a plain q_proj (q_lora_rank null)")
         if self.score_function != "sigmoid":
@@ -179,6 +259,29 @@ class ModelConfig:
             kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
             if kind not in ("yarn", "default", None):
                 raise ModelError(f"unsupported rope_scaling type {kind!r} (supported: yarn)")
+            if kind == "yarn":  # the rope tables read these two
+                for key in ("factor", "original_max_position_embeddings"):
+                    _check_kind(f"rope_scaling.{key}", self.rope_scaling.get(key), "pos_num")
+
+    def _check_shapes(self) -> None:
+        """What the router and the rope tables rely on, each a one-line ModelError (the real config,
+        512 experts in 8 groups, top-4 groups, 8 per token, rope dim 64, passes)."""
+        per_group = self.num_experts // self.n_group
+        rules = (
+            (self.num_experts % self.n_group == 0,
+             f"num_experts {self.num_experts} is not divisible by n_group {self.n_group}"),
+            # a group's score is the sum of its two best experts
+            (per_group >= 2, f"n_group {self.n_group} leaves fewer than 2 of {self.num_experts} experts per group"),
+            (self.topk_group <= self.n_group, f"topk_group {self.topk_group} is more than n_group {self.n_group}"),
+            (self.num_experts_per_tok <= self.topk_group * per_group,
+             (f"num_experts_per_tok {self.num_experts_per_tok} is more than the {self.topk_group * per_group} "
+              f"experts the router keeps (topk_group {self.topk_group} groups of {per_group})")),
+            # interleaved RoPE rotates pairs of dims
+            (self.qk_rope_head_dim % 2 == 0, f"qk_rope_head_dim {self.qk_rope_head_dim} must be even"),
+        )
+        for ok, message in rules:
+            if not ok:
+                raise ModelError(f"config.json: {message}")
 
     def _limits(self, values: list[float] | None, name: str) -> list[float]:
         if values is None:
