@@ -11,6 +11,7 @@ The file is flat scalars plus two one-level tables, `[switches]` and `[sampling]
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import os
@@ -203,6 +204,16 @@ def _range_problem(key: str, v: Any) -> str | None:
     return None
 
 
+def _theme_problem(theme: str) -> str | None:
+    """The app offers Textual's built-in themes (it registers none of its own). Checked on `config set`
+    only: a file naming a theme a newer Textual had still loads, and the app keeps its default then."""
+    from textual.theme import BUILTIN_THEMES  # late: Textual is a heavy import
+
+    if theme in BUILTIN_THEMES:
+        return None
+    return f"theme must be one of {', '.join(sorted(BUILTIN_THEMES))}, got {theme!r}"
+
+
 # --- reading and writing ------------------------------------------------------------------------------
 
 def load_settings(path: str | Path | None = None) -> Settings:
@@ -233,14 +244,20 @@ def save_settings(settings: Settings, path: str | Path | None = None) -> Path:
     # validate everything before touching the file
     Settings.from_dict(settings.to_dict(), source="settings")
     text = dumps_toml(settings.to_dict())
+    tmp = None
     try:
         p.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=".settings.", suffix=".tmp")
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
         os.replace(tmp, p)
-    except OSError as e:
-        raise SettingsError(f"cannot write {p}: {e}") from None
+    except BaseException as e:
+        if tmp is not None:  # a full disk leaves it empty or half written: never leave it behind
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+        if isinstance(e, OSError):
+            raise SettingsError(f"cannot write {p}: {e}") from None
+        raise
     return p
 
 
@@ -331,6 +348,8 @@ def set_value(settings: Settings, key: str, value: Any) -> Settings:
         value = parse_value(key, value)
     else:
         value = _check(spec, value, "setting")
+    if spec.name == "theme" and (problem := _theme_problem(value)):
+        raise SettingsError(problem)
     out = copy.deepcopy(settings)
     _assign(out, spec, value)
     return out

@@ -151,3 +151,81 @@ def test_a_terminal_sees_the_load_in_bytes_and_a_script_sees_nothing(tiny_model_
     shown = term.getvalue()
     assert f"loading {tiny_model_dir.name}" in shown
     assert re.search(r"[\d.]+/[\d.]+ [kMG]?B", shown)  # rich's byte column: done/total
+
+
+def _ask_in_process(argv: list[str], capsys, monkeypatch, stdin: str = "") -> tuple[int, str, str]:
+    monkeypatch.setattr("sys.stdin", io.StringIO(stdin))
+    code = main(["ask", "--device", "cpu", *argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.parametrize("events_before", [3, 0])
+def test_ctrl_c_keeps_the_answer_so_far_as_json(tiny_model_dir, capsys, monkeypatch, events_before):
+    from sparkchat.cli import ask
+
+    real_load = ask.load_engine
+
+    def load_then_interrupt(args):
+        engine = real_load(args)
+        generate = engine.generate_ids
+
+        def interrupted(prompt_ids, params, **kwargs):
+            params.ignore_eos = True  # a random model may stop at once
+            for i, event in enumerate(generate(prompt_ids, params, **kwargs)):
+                if i == events_before:
+                    raise KeyboardInterrupt  # what Ctrl-C raises mid-answer
+                yield event
+
+        engine.generate_ids = interrupted
+        return engine
+
+    monkeypatch.setattr(ask, "load_engine", load_then_interrupt)
+    code, out, err = _ask_in_process(["hi", "--model", str(tiny_model_dir), "--json", "--max-tokens", "50"],
+                                     capsys, monkeypatch)
+    assert code == 130 and err == "sparkchat: interrupted\n"
+    answer = json.loads(out)
+    for key in ("text", "answer", "reasoning", "token_ids", "prompt_token_ids", "finish_reason", "stats", "model",
+                "switches"):
+        assert key in answer
+    assert answer["finish_reason"] == "cancelled"  # the engine's word for an answer stopped mid-way
+    assert answer["stats"]["prompt_tokens"] == len(answer["prompt_token_ids"]) > 0
+    if events_before:
+        assert 3 <= len(answer["token_ids"]) < 50  # (a random model's first bytes may not be text yet)
+    else:  # interrupted in the prefill: nothing yet, still one object
+        assert answer["token_ids"] == [] and answer["text"] == ""
+
+
+def test_seeds_torch_cannot_take_are_refused(tiny_model_dir, capsys, monkeypatch):
+    for seed in (str(2**64), "99999999999999999999999"):
+        code, _, err = _ask_in_process(["hi", "--model", str(tiny_model_dir), "--seed", seed, "-t", "1"],
+                                       capsys, monkeypatch)
+        assert code == 2 and err == f"sparkchat: error: --seed must be from 0 to 2**64 - 1, got {seed}\n"
+    # the largest one works
+    code, out, err = _ask_in_process(["hi", "--model", str(tiny_model_dir), "--seed", str(2**64 - 1), "-t", "1",
+                                      "--max-tokens", "2", "--json"], capsys, monkeypatch)
+    assert code == 0, err
+    assert json.loads(out)["stats"]["generated_tokens"] >= 1
+
+
+@pytest.mark.parametrize("flags,name,value", [(["--temperature", "inf"], "--temperature", "inf"),
+                                              (["-t", "nan"], "--temperature", "nan"),
+                                              (["--temperature=-inf"], "--temperature", "-inf"),
+                                              (["--top-p", "inf"], "--top-p", "inf"),
+                                              (["--top-p", "nan"], "--top-p", "nan")])
+def test_infinite_sampling_values_say_finite(tiny_model_dir, capsys, monkeypatch, flags, name, value):
+    code, _, err = _ask_in_process(["hi", "--model", str(tiny_model_dir), *flags], capsys, monkeypatch)
+    assert code == 2 and err == f"sparkchat: error: {name} must be a finite number, got {float(value)}\n"
+
+
+def test_a_prompt_past_the_models_positions_names_the_model_limit(tiny_model_dir, capsys, monkeypatch):
+    long_text = "a long piece of text " * 1200  # past the tiny model's 4096 positions
+    code, _, err = _ask_in_process(["summarize", "--model", str(tiny_model_dir), "--max-context", "100000"],
+                                   capsys, monkeypatch, stdin=long_text)
+    assert code == 3 and err.count("\n") == 1
+    assert "but the model takes at most 4096 positions; shorten the prompt" in err
+    assert "--max-context" not in err  # raising it cannot help
+    # below the model's limit, --max-context is what binds, and the message says to raise it
+    code, _, err = _ask_in_process(["summarize", "--model", str(tiny_model_dir), "--max-context", "1000"],
+                                   capsys, monkeypatch, stdin=long_text)
+    assert code == 3 and "context holds 1000; start a new chat or raise --max-context" in err

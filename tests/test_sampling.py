@@ -10,13 +10,14 @@ import torch
 
 from sparkchat.engine.errors import SparkchatError
 from sparkchat.engine.events import SamplingParams
-from sparkchat.engine.sampling import MAX_SEED, SamplingError, check_sampling, make_generator, sample
+from sparkchat.engine.events import MAX_SEED
+from sparkchat.engine.sampling import SamplingError, check_sampling, make_generator, sample
 
 
 @pytest.mark.parametrize("params, needle", [
-    (SamplingParams(temperature=1.0, seed=99999999999999999999999), "seed must be at most 18446744073709551615 (2**64"),
+    (SamplingParams(temperature=1.0, seed=99999999999999999999999), "seed must be from 0 to 2**64 - 1"),
     (SamplingParams(temperature=1.0, seed=MAX_SEED + 1), "seed must be"),
-    (SamplingParams(temperature=1.0, seed=-1), "seed must be 0 or more"),
+    (SamplingParams(temperature=1.0, seed=-1), "seed must be from 0 to"),
     (SamplingParams(temperature=math.nan), "temperature must be 0 (greedy) or more, got nan"),
     (SamplingParams(temperature=math.inf), "temperature"),
     (SamplingParams(temperature=1.0, top_p=math.nan), "top-p must be in (0, 1], got nan"),

@@ -179,7 +179,8 @@ def test_one_sampling_check_for_ask_the_app_and_the_settings_file(name, value):
     setattr(args, name, value)
     with pytest.raises(ValueError) as cli:
         sampling_from(args)
-    assert str(cli.value) == f"--{name.replace('_', '-')} {rule}, got {value}"
+    rule_seen = "must be a finite number" if value != value else rule  # NaN: the words of `config set`
+    assert str(cli.value) == f"--{name.replace('_', '-')} {rule_seen}, got {value}"
     # the app's settings form and saved chat settings
     with pytest.raises(ValueError) as app:
         ChatSettings(**{name: value})
@@ -194,3 +195,64 @@ def test_sampling_limits_themselves_are_allowed():
     assert params.validate() is params
     assert sampling_problem("seed", None) is None  # no seed: a fresh one each answer
     assert sampling_problem("ignore_eos", True) is None  # not a range-checked field
+
+
+@pytest.mark.parametrize("failing", ["replace", "write"])
+def test_a_failed_save_leaves_no_temp_file_and_the_old_file_intact(dirs: Path, monkeypatch, failing):
+    path = st.save_settings(st.set_value(Settings(), "temperature", "0.5"))
+    before = path.read_text()
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    if failing == "replace":
+        monkeypatch.setattr(st.os, "replace", full_disk)
+    else:
+        real_fdopen = st.os.fdopen
+
+        class FullFile:
+            def __init__(self, fd: int, *args, **kwargs) -> None:
+                self.f = real_fdopen(fd, *args, **kwargs)
+
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *exc) -> None:
+                self.f.close()
+
+            write = full_disk
+
+        monkeypatch.setattr(st.os, "fdopen", FullFile)
+    with pytest.raises(SettingsError, match="cannot write .*No space left on device"):
+        st.save_settings(st.set_value(Settings(), "temperature", "0.9"))
+    assert sorted(p.name for p in path.parent.iterdir()) == ["settings.toml"]
+    assert path.read_text() == before
+
+
+def test_theme_must_be_one_the_app_offers(dirs: Path):
+    from textual.theme import BUILTIN_THEMES
+
+    assert st.set_value(Settings(), "theme", "nord").theme == "nord"
+    assert Settings().theme in BUILTIN_THEMES
+    with pytest.raises(SettingsError, match=r"theme must be one of .*textual-dark.*, got 'nope'"):
+        st.set_value(Settings(), "theme", "nope")
+    # a file naming a theme this Textual lacks still loads: the app keeps its default theme then
+    path = dirs / "cfg" / "settings.toml"
+    path.parent.mkdir(parents=True)
+    path.write_text('theme = "from-a-newer-textual"\n')
+    assert st.load_settings().theme == "from-a-newer-textual"
+
+
+def test_seed_must_fit_torchs_generator(dirs: Path):
+    import torch
+
+    assert st.set_value(Settings(), "seed", str(2**64 - 1)).sampling.seed == 2**64 - 1
+    torch.Generator().manual_seed(2**64 - 1)  # the largest seed torch takes
+    for text in (str(2**64), "99999999999999999999999"):
+        with pytest.raises(SettingsError, match=rf"sampling.seed must be from 0 to 2\*\*64 - 1, got {text}"):
+            st.set_value(Settings(), "seed", text)
+    path = dirs / "cfg" / "settings.toml"
+    path.parent.mkdir(parents=True)
+    path.write_text(f"[sampling]\nseed = {2**64}\n")  # a file edited by hand
+    with pytest.raises(SettingsError, match="sampling.seed must be from 0 to"):
+        st.load_settings()

@@ -11,9 +11,11 @@ from sparkchat.cli import ask, bench, models, serve
 
 # Exit codes, distinct so scripts can tell failures apart.
 EXIT_OK = 0
+EXIT_FAILURE = 1  # the output cannot be written, memory runs out
 EXIT_USAGE = 2
 EXIT_MODEL = 3
 EXIT_INTERRUPTED = 130
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: what a shell reports for a tool whose reader went away
 
 _COMMAND_MODULES = [ask, models, bench, serve]
 
@@ -62,17 +64,33 @@ def open_app(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    from sparkchat.cli.output import OutputError, marked_stdout, out_of_memory_message, silence_stdout
     from sparkchat.engine.errors import SparkchatError
 
     try:
         if args.command is None:
             return open_app(args)
-        return int(args.func(args) or 0)
+        with marked_stdout():
+            try:
+                return int(args.func(args) or 0)
+            finally:
+                sys.stdout.flush()  # here, not at exit, so a full disk is reported like any failure
+    except OutputError as e:
+        silence_stdout()
+        if isinstance(e.error, BrokenPipeError):  # the reader has what it wanted (`| head`): quiet
+            return EXIT_BROKEN_PIPE
+        print(f"sparkchat: error: cannot write the output: {e.error.strerror or e.error}", file=sys.stderr)
+        return EXIT_FAILURE
     except SparkchatError as e:
         return fail(str(e), EXIT_MODEL)
     except KeyboardInterrupt:
         print("sparkchat: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except RuntimeError as e:  # torch.OutOfMemoryError is one too
+        message = out_of_memory_message(e)
+        if message is None:
+            raise
+        return fail(message, EXIT_FAILURE)
 
 
 if __name__ == "__main__":

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from sparkchat.engine.events import GenerationStats
     from sparkchat.engine.session import Engine
 
 THINK_END = "</think>"
@@ -82,12 +84,17 @@ def sampling_from(args: argparse.Namespace):
     vocab = getattr(args, "draft_vocab", None)
     if vocab is not None and vocab < MIN_DRAFT_VOCAB:
         raise ValueError(f"--draft-vocab must be at least {MIN_DRAFT_VOCAB}, got {vocab}")
+    for name in ("temperature", "top_p"):  # inf and nan: the same words as `config set`
+        value = getattr(args, name, None)
+        if value is not None and not math.isfinite(value):
+            raise ValueError(f"--{name.replace('_', '-')} must be a finite number, got {value}")
     p = SamplingParams()
     for name in ("temperature", "top_p", "top_k", "seed", "max_tokens"):
         value = getattr(args, name, None)
         if value is not None:
             setattr(p, name, value)
-    return p.validate(flags=True)
+    p.validate(flags=True)
+    return p
 
 
 @contextmanager
@@ -162,33 +169,59 @@ def run(args: argparse.Namespace) -> int:
         events = engine.generate(messages, params, enable_thinking=think)
     else:
         prompt_ids = engine.tokenizer.encode_chat(messages, enable_thinking=think)
+        check_model_limit(engine, prompt_ids)
         events = engine.generate_ids(prompt_ids, params)
     pieces: list[str] = []
     token_ids: list[int] = []
     finish, stats = None, None
-    for event in events:
-        pieces.append(event.text)
-        token_ids.extend(event.token_ids)
-        finish, stats = event.finish_reason, event.stats
-        if not args.json and event.text:
-            sys.stdout.write(event.text)
-            sys.stdout.flush()
+    try:
+        for event in events:
+            pieces.append(event.text)
+            token_ids.extend(event.token_ids)
+            finish, stats = event.finish_reason, event.stats
+            if not args.json and event.text:
+                sys.stdout.write(event.text)
+                sys.stdout.flush()
+    except KeyboardInterrupt:
+        if args.json:  # the text so far, as an answer cancelled mid-way; main then says "interrupted"
+            print_json(engine, "".join(pieces), think, token_ids, prompt_ids, "cancelled", stats)
+        raise
     text = "".join(pieces)
     if args.json:
-        reasoning, answer = split_thinking(text) if think else (None, text)
-        out = {
-            "model": engine.name, "text": text, "answer": answer, "reasoning": reasoning,
-            "token_ids": token_ids, "prompt_token_ids": prompt_ids, "finish_reason": finish,
-            "stats": stats.to_dict(),
-            "switches": {k: vars(v) for k, v in engine.switch_states().items()},
-        }
-        print(json.dumps(out, ensure_ascii=False))
+        print_json(engine, text, think, token_ids, prompt_ids, finish, stats)
     else:
         if not text.endswith("\n"):
             sys.stdout.write("\n")
     if args.stats and stats is not None:
         print(format_stats(stats), file=sys.stderr)
     return 0
+
+
+def check_model_limit(engine: Engine, prompt_ids: list[int]) -> None:
+    """A prompt past the model's own positions: --max-context cannot help, so say so (the engine's
+    message suggests raising it)."""
+    from sparkchat.engine.errors import ContextOverflowError
+
+    limit = engine.config.max_position_embeddings
+    if len(prompt_ids) >= engine.max_context >= limit:
+        raise ContextOverflowError(f"the prompt is {len(prompt_ids)} tokens but the model takes at most {limit} "
+                                   "positions; shorten the prompt")
+
+
+def print_json(engine: Any, text: str, think: bool, token_ids: list[int], prompt_ids: list[int],
+               finish: str | None, stats: GenerationStats | None) -> None:
+    """The --json answer: one object, the same keys whether the answer ended or was interrupted."""
+    from sparkchat.engine.events import GenerationStats
+
+    reasoning, answer = split_thinking(text) if think else (None, text)
+    stats = stats or GenerationStats(prompt_tokens=len(prompt_ids))  # interrupted before the first token
+    out = {
+        "model": engine.name, "text": text, "answer": answer, "reasoning": reasoning,
+        "token_ids": token_ids, "prompt_token_ids": prompt_ids, "finish_reason": finish,
+        "stats": stats.to_dict(),
+        "switches": {k: vars(v) for k, v in engine.switch_states().items()},
+    }
+    print(json.dumps(out, ensure_ascii=False))
 
 
 def format_stats(s) -> str:

@@ -7,6 +7,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 ACCEPT_PROMPTS = [
@@ -16,16 +17,36 @@ ACCEPT_PROMPTS = [
 ]
 
 
+# Positions the model is built with beyond --context / --prefill, for the timed steps that follow them.
+SYNTHETIC_ROOM = 128
+MODEL_ROOM = 256
+
+
+def _count(least: int) -> Callable[[str], int]:
+    """An argparse type: an integer of at least `least`, else argparse's usage error naming the flag."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+        if value < least:
+            raise argparse.ArgumentTypeError(f"must be at least {least}, got {value}")
+        return value
+
+    parse.__name__ = "integer"  # what argparse's fallback message calls the type
+    return parse
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="measure decode speed: baseline → +MXFP4 → +FP8 head → +MTP",
                        description="Measure the engine's optimizations side by side. Without --model it "
                                    "builds synthetic weights at Ling-3.0-flash-fp4's full shapes on the device.")
     p.add_argument("--model", "-m", help="a real model directory (measures accept length too)")
     p.add_argument("--config", help="a config.json for synthetic weights (default: Ling-3.0-flash-fp4)")
-    p.add_argument("--layers", type=int, help="synthetic: number of decoder layers (default: the config's)")
+    p.add_argument("--layers", type=_count(1), help="synthetic: number of decoder layers (default: the config's)")
     p.add_argument("--device", default="auto", help="auto (default), cuda or cpu")
-    p.add_argument("--context", type=int, default=1024, help="tokens already in the context (default 1024)")
-    p.add_argument("--iters", type=int, default=20, help="timed steps per configuration (median)")
+    p.add_argument("--context", type=_count(1), default=1024, help="tokens already in the context (default 1024)")
+    p.add_argument("--iters", type=_count(1), default=20, help="timed steps per configuration (median)")
     p.add_argument("--draft-steps", type=int, default=3, help="MTP draft steps (1-4, default 3)")
     p.add_argument("--truncated-draft-head", action=argparse.BooleanOptionalAction, default=True,
                    help="the MTP row drafts through a head over the most frequent tokens only; the draft step "
@@ -34,7 +55,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="rows of the truncated draft head (default 32768)")
     p.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=True,
                    help="replay decode/draft/verify steps as CUDA graphs (default on)")
-    p.add_argument("--prefill", type=int, default=0, metavar="N",
+    p.add_argument("--prefill", type=_count(0), default=0, metavar="N",
                    help="also time the prefill of an N-token prompt (per token, to compare with decode)")
     p.add_argument("--json", action="store_true", help="print the results as one JSON object")
     p.set_defaults(func=run)
@@ -49,8 +70,8 @@ def run(args: argparse.Namespace) -> int:
     from sparkchat.engine.draft_vocab import DEFAULT_DRAFT_VOCAB
     from sparkchat.settings import MIN_DRAFT_VOCAB
 
-    if args.context < 1 or args.iters < 1 or not 1 <= args.draft_steps <= 4:
-        return fail("--context and --iters must be positive, --draft-steps 1-4", EXIT_USAGE)
+    if not 1 <= args.draft_steps <= 4:
+        return fail("--draft-steps must be between 1 and 4", EXIT_USAGE)
     if args.draft_vocab is not None and args.draft_vocab < MIN_DRAFT_VOCAB:
         return fail(f"--draft-vocab must be at least {MIN_DRAFT_VOCAB}", EXIT_USAGE)
     draft_vocab = (args.draft_vocab or DEFAULT_DRAFT_VOCAB) if args.truncated_draft_head else None
@@ -68,10 +89,15 @@ def run(args: argparse.Namespace) -> int:
     accept = accept_full = rows = coverage = None
     if args.model:
         from sparkchat.cli.resolve import resolve_model
+        from sparkchat.engine.config import ModelConfig
         from sparkchat.engine.session import Engine
 
-        room = max(args.context, args.prefill) + 256
-        engine = Engine.load(resolve_model(args.model), device=str(device), max_context=room)
+        model_dir = resolve_model(args.model)
+        problem = _positions_problem(args, ModelConfig.from_dir(model_dir).max_position_embeddings, MODEL_ROOM)
+        if problem:
+            return fail(problem, EXIT_USAGE)
+        room = max(args.context, args.prefill) + MODEL_ROOM
+        engine = Engine.load(model_dir, device=str(device), max_context=room)
         model, source = engine.model, f"model {engine.name}"
         accept = accept_full = measure_accept_length(engine, args.draft_steps, truncated=False)
         if draft_vocab and model.mtp is not None and (rows := engine.draft_rows(draft_vocab)) is not None:
@@ -90,11 +116,17 @@ def run(args: argparse.Namespace) -> int:
 
             try:
                 base = json.loads(Path(args.config).read_text())
-            except (OSError, json.JSONDecodeError) as e:
+            except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
                 raise ModelError(f"cannot read --config {args.config}: {e}") from None
+            if not isinstance(base, dict):
+                raise ModelError(f"--config {args.config} must hold a JSON object (a model's config.json), "
+                                 f"not a JSON {type(base).__name__}")
         cfg = synthetic_config(args.layers, base)
+        problem = _positions_problem(args, cfg.max_position_embeddings, SYNTHETIC_ROOM)
+        if problem:
+            return fail(problem, EXIT_USAGE)
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-        model = build_synthetic(cfg, device, dtype, max_context=max(args.context, args.prefill) + 128)
+        model = build_synthetic(cfg, device, dtype, max_context=max(args.context, args.prefill) + SYNTHETIC_ROOM)
         source = f"synthetic weights, {cfg.num_hidden_layers} layers"
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -111,6 +143,16 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(format_table(out))
     return 0
+
+
+def _positions_problem(args: argparse.Namespace, max_positions: int, room: int) -> str | None:
+    """--context and --prefill past the model's positions (less the room the timed steps take)."""
+    most = max_positions - room
+    for flag, n in (("--context", args.context), ("--prefill", args.prefill)):
+        if n > most:
+            return (f"{flag} {n} is more than the model's {max_positions} positions allow (at most {most}: "
+                    f"the timed steps take {room} more)")
+    return None
 
 
 def _persistent_compile_cache() -> None:

@@ -13,12 +13,14 @@ from sparkchat.engine.draft_vocab import DEFAULT_DRAFT_VOCAB
 
 # The one range check of sampling values (CLI flags, the app's settings form, settings.toml):
 # field -> (what the user calls it, rule, test of a value).
+MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes 64 bits
+
 SAMPLING_RULES: dict[str, tuple[str, str, Any]] = {
     "temperature": ("temperature", "must be 0 (greedy) or more", lambda v: v >= 0 and math.isfinite(v)),
     "top_p": ("top-p", "must be in (0, 1]", lambda v: 0 < v <= 1),
     "top_k": ("top-k", "must be 0 (no cut) or more", lambda v: v >= 0),
     "max_tokens": ("max tokens", "must be at least 1", lambda v: v >= 1),
-    "seed": ("seed", "must be 0 or more", lambda v: v >= 0),
+    "seed": ("seed", "must be from 0 to 2**64 - 1", lambda v: 0 <= v <= MAX_SEED),
 }
 
 

@@ -7,7 +7,6 @@ import torch
 from sparkchat.engine.errors import SparkchatError
 from sparkchat.engine.events import SamplingParams
 
-MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed overflows above it (and seeds here are >= 0)
 
 
 class SamplingError(SparkchatError, ValueError):
@@ -16,13 +15,11 @@ class SamplingError(SparkchatError, ValueError):
 
 def check_sampling(params: SamplingParams) -> SamplingParams:
     """The engine's one check of sampling values: the shared range rules (NaN and inf temperature or
-    top-p refused) plus the seed range torch takes. Raises SamplingError, one line; returns params."""
+    top-p refused, seeds torch cannot take). Raises SamplingError, one line; returns params."""
     try:
         params.validate()
     except ValueError as e:
         raise SamplingError(str(e)) from None
-    if params.seed is not None and params.seed > MAX_SEED:
-        raise SamplingError(f"seed must be at most {MAX_SEED} (2**64 - 1), got {params.seed}")
     return params
 
 
