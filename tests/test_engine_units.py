@@ -315,6 +315,32 @@ def test_memory_check_refuses_a_model_that_does_not_fit(tiny):
         check_memory(2 << 30, 1 << 30, torch.device("cuda"), unified=True)
 
 
+def test_the_memory_check_counts_the_conversations_caches(tiny):
+    """A conversation's caches grow with max_context: counted before any weight moves, to the byte of what
+    the state and the rotary tables allocate, and a context that cannot fit is refused by name."""
+    from sparkchat.engine.checkpoint import CheckpointReader
+    from sparkchat.engine.loader import context_bytes, resident_bytes
+
+    cfg = ModelConfig.from_dir(tiny)
+    for dtype in (torch.float32, torch.bfloat16):
+        for has_mtp in (True, False):
+            c = ModelConfig.from_dir(tiny)
+            if not has_mtp:
+                c.num_nextn_predict_layers = 0
+            state = ConversationState.allocate(c, 96, "cpu", dtype)
+            tensors = [state.hidden, *(s.conv for s in state.kda.values()), *(s.recurrent for s in state.kda.values()),
+                       *(x for m in [*state.mla.values(), *([state.mtp] if state.mtp else [])]
+                         for x in (m.latent, m.rope_key))]
+            assert ConversationState.bytes_needed(c, 96, dtype) == sum(x.nbytes for x in tensors), (dtype, has_mtp)
+    rope = RotaryEmbedding(cfg.qk_rope_head_dim, cfg.rope_theta, 96, cfg.rope_scaling)
+    assert RotaryEmbedding.table_bytes(cfg.qk_rope_head_dim, 96) == rope.cos.nbytes + rope.sin.nbytes
+
+    weights = resident_bytes(CheckpointReader(tiny, "cpu"), torch.float32, quantize_experts=False)
+    huge = 10**9
+    with pytest.raises(ModelError, match=r"a 1,000,000,000-token context: .* GiB of it\) .* shorter context"):
+        load_model(tiny, cfg, "cpu", torch.float32, huge, available_memory=weights + context_bytes(cfg, huge, torch.float32) - 1)
+
+
 def test_next_turn_reuses_the_prompt_checkpoint_when_the_answer_was_rewritten(tiny_model_dir):
     """Templates drop earlier reasoning, so the next prompt holds a rewritten answer: the engine goes
     back to its state right after the previous prompt and prefills only from there."""

@@ -170,11 +170,28 @@ def resident_bytes(reader: CheckpointReader, dtype: torch.dtype, quantize_expert
     return total
 
 
-def check_memory(needed: int, available: int, device: torch.device, unified: bool = False) -> None:
+def context_bytes(cfg: ModelConfig, max_context: int, dtype: torch.dtype) -> int:
+    """What a conversation of max_context positions adds to the weights: its caches and states, and the
+    rotary tables."""
+    from sparkchat.engine.nn.rope import RotaryEmbedding
+    from sparkchat.engine.state import ConversationState
+
+    return (ConversationState.bytes_needed(cfg, max_context, dtype)
+            + RotaryEmbedding.table_bytes(cfg.qk_rope_head_dim, max_context))
+
+
+def check_memory(needed: int, available: int, device: torch.device, unified: bool = False,
+                 context: tuple[int, int] | None = None) -> None:
+    """ModelError unless `needed` bytes fit in `available`. context = (positions, bytes of them) when
+    `needed` includes a conversation's caches: where they are a good part of it, the message says so."""
     if needed > available:
         where = "unified (CPU and GPU)" if unified else "GPU" if device.type == "cuda" else "system"
-        raise ModelError(f"the model needs {needed / 2**30:.1f} GiB but only {available / 2**30:.1f} GiB of "
-                         f"{where} memory is free: close other programs or use a smaller model")
+        part, fix = "", "close other programs or use a smaller model"
+        if context is not None and 8 * context[1] >= needed:
+            part = f" (a {context[0]:,}-token context: {context[1] / 2**30:.1f} GiB of it)"
+            fix = "close other programs, use a smaller model or a shorter context (--max-context)"
+        raise ModelError(f"the model needs {needed / 2**30:.1f} GiB{part} but only {available / 2**30:.1f} GiB of "
+                         f"{where} memory is free: {fix}")
 
 
 def load_model(model_dir: str | Path, cfg: ModelConfig, device: torch.device | str = "cpu",
@@ -196,8 +213,11 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, device: torch.device | s
         from sparkchat.engine.capabilities import available_memory_bytes
 
         available_memory = available_memory_bytes()
-    # checked before any weight moves: on the Spark's unified memory a failed load would squeeze the OS
-    check_memory(resident_bytes(reader, dtype, quantize_experts), available_memory, device, unified)
+    # checked before any weight moves: on the Spark's unified memory a failed load would squeeze the OS;
+    # a conversation's caches count too (a config promising 10^9 positions would otherwise be OOM-killed)
+    ctx = context_bytes(cfg, max_context, dtype)
+    check_memory(resident_bytes(reader, dtype, quantize_experts) + ctx, available_memory, device, unified,
+                 context=(max_context, ctx))
     if quantize_experts:
         _check_expert_dims(cfg)
     mtp_prefix = f"model.layers.{cfg.num_hidden_layers}"

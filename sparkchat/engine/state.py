@@ -29,6 +29,17 @@ class ConversationState:
     token_ids: list[int] = field(default_factory=list)  # tokens whose effect the state holds
     mtp_length: int = 0  # positions the MTP layer's cache holds, computed from true hidden states
 
+    @staticmethod
+    def bytes_needed(cfg: ModelConfig, max_context: int, dtype: torch.dtype) -> int:
+        """What allocate() will take: the MLA latent caches (and the MTP layer's) and its hidden rows grow
+        with max_context; the KDA states do not."""
+        size = torch.empty(0, dtype=dtype).element_size()
+        D, K = cfg.kda_dim, cfg.short_conv_kernel_size
+        kda = len(cfg.kda_layers) * ((K - 1) * 3 * D * size + cfg.num_attention_heads * cfg.head_dim ** 2 * 4)
+        caches = len(cfg.mla_layers) + (1 if cfg.has_mtp else 0)
+        per_position = caches * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) + (cfg.hidden_size if cfg.has_mtp else 0)
+        return kda + max_context * per_position * size
+
     @classmethod
     def allocate(cls, cfg: ModelConfig, max_context: int, device: torch.device | str,
                  dtype: torch.dtype) -> "ConversationState":

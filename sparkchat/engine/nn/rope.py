@@ -27,6 +27,11 @@ class RotaryEmbedding:
         self.cos = (freqs.cos() * self.attention_factor).to(device)
         self.sin = (freqs.sin() * self.attention_factor).to(device)
 
+    @staticmethod
+    def table_bytes(dim: int, max_positions: int) -> int:
+        """What the cos and sin tables take: fp32 [max_positions, dim / 2] each."""
+        return 2 * max_positions * (dim // 2) * 4
+
     def _yarn_inv_freq(self, inv_freq: torch.Tensor, dim: int, theta: float, s: dict[str, Any]) -> torch.Tensor:
         factor = float(s["factor"])
         original = float(s["original_max_position_embeddings"])
