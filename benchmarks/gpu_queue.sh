@@ -45,11 +45,12 @@ ab() {
 }
 
 # What a short loan runs first, most telling per minute: `sparkchat bench` with the session-27 defaults
-# (the headline row and the Spark projection, on the H200); whether MOE_SHARED=2's wrong one-token answers
-# (docs/benchmarks.md session 27) need PDL; the one-token KDA launch shapes in the graphed step.
+# (the headline row and the Spark projection, on the H200); whether MOE_SHARED=2's far one-token answers
+# (docs/benchmarks.md session 27) are a flipped near-tie routing choice or need PDL; the one-token KDA
+# launch shapes in the graphed step.
 quick() {
     timeout 240 python3 -m sparkchat bench --context 1024 --iters 20 2>&1 | tee "$OUT/bench.txt"
-    timeout 120 python3 benchmarks/race_check.py --replays 3 --tokens 1 \
+    timeout 120 python3 benchmarks/race_check.py --replays 3 --tokens 1 --routes \
         --start-after "SPARKCHAT_MOE_SHARED=2+SPARKCHAT_PDL=1" --switch "SPARKCHAT_MOE_SHARED=2+SPARKCHAT_PDL=1" \
         --switch SPARKCHAT_MOE_SHARED=2 --switch SPARKCHAT_PDL=1 2>&1 | tee "$OUT/race-shared.txt"
     timeout 200 python3 benchmarks/profile_step.py --rounds 1 --switch SPARKCHAT_KDA_LAUNCH1=8x2,2x4,4x2,2x8 \

@@ -161,9 +161,10 @@ def shared_in_stages_mode() -> int:
     default) as two GEMVs on a side stream, joined before the routed experts' stage 2; at one token
     (ExpertsKernel.FUSED_MAX_TOKENS) 1 its gate|up GEMV on the side stream, its down rows inside stage 2,
     2 both inside the routed stages (no side stream). Opt-in: mode 1 left the one-token step as it was
-    (H200, +0.013 ms); mode 2 is 0.05 ms faster (H100, session 27) but answers a one-token step wrongly
-    from some states (59% of the logits' scale off; docs/benchmarks.md session 27,
-    benchmarks/race_check.py --start-after): not to be used until that is found."""
+    (H200, +0.013 ms); mode 2 is 0.05 ms faster (H100, session 27) but from some states answers a
+    one-token step far from mode 0 (59% of the logits' scale; docs/benchmarks.md session 27,
+    benchmarks/race_check.py --start-after): a bug, or its shared expert's other summation order
+    flipping a near-tie routing choice — not yet told apart."""
     value = os.environ.get("SPARKCHAT_MOE_SHARED", "0")
     return int(value) if value in ("0", "1", "2") else 0
 
