@@ -174,7 +174,7 @@ def _check(spec: _Spec, value: Any, source: str) -> Any:
             raise SettingsError(f"{source}: {key} must be a number, got {value!r}")
         value = float(value)
         if not math.isfinite(value):
-            raise SettingsError(f"{source}: {key} must be finite, got {value!r}")
+            raise SettingsError(f"{source}: {key} must be a finite number, got {value!r}")
     elif not isinstance(value, str):
         raise SettingsError(f"{source}: {key} must be a string, got {value!r}")
     elif key == "dtype":

@@ -18,9 +18,9 @@ from sparkchat.engine.sampling import SamplingError, check_sampling, make_genera
     (SamplingParams(temperature=1.0, seed=99999999999999999999999), "seed must be from 0 to 2**64 - 1"),
     (SamplingParams(temperature=1.0, seed=MAX_SEED + 1), "seed must be"),
     (SamplingParams(temperature=1.0, seed=-1), "seed must be from 0 to"),
-    (SamplingParams(temperature=math.nan), "temperature must be 0 (greedy) or more, got nan"),
+    (SamplingParams(temperature=math.nan), "temperature must be a finite number, got nan"),
     (SamplingParams(temperature=math.inf), "temperature"),
-    (SamplingParams(temperature=1.0, top_p=math.nan), "top-p must be in (0, 1], got nan"),
+    (SamplingParams(temperature=1.0, top_p=math.nan), "top-p must be a finite number, got nan"),
     (SamplingParams(temperature=1.0, top_p=math.inf), "top-p"),
 ])
 def test_bad_values_are_one_clear_error(params, needle):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -84,10 +83,6 @@ def sampling_from(args: argparse.Namespace):
     vocab = getattr(args, "draft_vocab", None)
     if vocab is not None and vocab < MIN_DRAFT_VOCAB:
         raise ValueError(f"--draft-vocab must be at least {MIN_DRAFT_VOCAB}, got {vocab}")
-    for name in ("temperature", "top_p"):  # inf and nan: the same words as `config set`
-        value = getattr(args, name, None)
-        if value is not None and not math.isfinite(value):
-            raise ValueError(f"--{name.replace('_', '-')} must be a finite number, got {value}")
     p = SamplingParams()
     for name in ("temperature", "top_p", "top_k", "seed", "max_tokens"):
         value = getattr(args, name, None)

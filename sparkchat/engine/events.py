@@ -16,7 +16,7 @@ from sparkchat.engine.draft_vocab import DEFAULT_DRAFT_VOCAB
 MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes 64 bits
 
 SAMPLING_RULES: dict[str, tuple[str, str, Any]] = {
-    "temperature": ("temperature", "must be 0 (greedy) or more", lambda v: v >= 0 and math.isfinite(v)),
+    "temperature": ("temperature", "must be 0 (greedy) or more", lambda v: v >= 0),
     "top_p": ("top-p", "must be in (0, 1]", lambda v: 0 < v <= 1),
     "top_k": ("top-k", "must be 0 (no cut) or more", lambda v: v >= 0),
     "max_tokens": ("max tokens", "must be at least 1", lambda v: v >= 1),
@@ -29,6 +29,8 @@ def sampling_problem(name: str, value: Any) -> str | None:
     rule = SAMPLING_RULES.get(name)
     if rule is None or value is None:  # seed None: a fresh seed each answer
         return None
+    if isinstance(value, float) and not math.isfinite(value):  # NaN passes no comparison: say why first
+        return "must be a finite number"
     return None if rule[2](value) else rule[1]
 
 
