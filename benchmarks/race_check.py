@@ -16,13 +16,17 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
+from pathlib import Path
 
 import torch
 
-from benchmarks.profile_step import fast_synthetic, graph_step_ms, logits_agreement
-from sparkchat.engine import fastpath
-from sparkchat.engine.generate import Decoder
-from sparkchat.engine.graphs import StepGraphs
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere in the checkout
+
+from benchmarks.profile_step import fast_synthetic, graph_step_ms, logits_agreement  # noqa: E402
+from sparkchat.engine import fastpath  # noqa: E402
+from sparkchat.engine.generate import Decoder  # noqa: E402
+from sparkchat.engine.graphs import StepGraphs  # noqa: E402
 
 
 def replay_answers(model, state, tokens: int, replays: int, start,

@@ -8,7 +8,6 @@ from sparkchat.engine.errors import SparkchatError
 from sparkchat.engine.events import SamplingParams
 
 
-
 class SamplingError(SparkchatError, ValueError):
     """Sampling values the engine cannot use. A ValueError too, as SamplingParams.validate raises."""
 
