@@ -2,7 +2,7 @@
 # The GPU runs waiting for a development GPU, as named batches, so a lent machine starts on them at once.
 #
 #   bash benchmarks/gpu_queue.sh wheels        # here (with package registries): the wheels the GPU box lacks
-#   bash benchmarks/gpu_queue.sh quick|race|first|ab|tests|configs|bench|load   # on the GPU box, logs under $OUT (default ./gpu-out)
+#   bash benchmarks/gpu_queue.sh quick|qbench|race|first|ab|tests|configs|bench|load   # on the GPU box, logs under $OUT (default ./gpu-out)
 #
 # The GPU box has torch, triton and transformers, but not this project's other dependencies, nor the
 # transformers the tiny test models need (5.24), and it cannot fetch: `wheels` downloads them into .whl2/
@@ -38,23 +38,28 @@ transformers.__version__)"; } > "$OUT/env.txt" 2>&1
 ab() {
     timeout 560 python3 benchmarks/profile_step.py \
         --switch SPARKCHAT_SPLIT_MOE_INPUT_NORM=1 --switch SPARKCHAT_MOE_ADD_NORM=1,2 \
-        --switch SPARKCHAT_SHARED_ADD_LATE=1 --switch SPARKCHAT_MOE_SHARED=1,2 --switch SPARKCHAT_ROUTE_LATE_TRIGGER=1 \
-        --switch "SPARKCHAT_SPLIT_MOE_INPUT_NORM=1+SPARKCHAT_MOE_ADD_NORM=2+SPARKCHAT_SHARED_ADD_LATE=1" \
-        --switch "SPARKCHAT_SPLIT_MOE_INPUT_NORM=1+SPARKCHAT_MOE_ADD_NORM=2+SPARKCHAT_SHARED_ADD_LATE=1+SPARKCHAT_MOE_SHARED=2" \
+        --switch SPARKCHAT_SHARED_ADD_LATE=1 --switch SPARKCHAT_MOE_SHARED=1,2 --switch SPARKCHAT_ROUTE_IN_GEMV=1,2 \
         --rounds 3 2>&1 | tee "$OUT/ab.txt"
 }
 
-# What a short loan runs first, most telling per minute: `sparkchat bench` with the session-27 defaults
-# (the headline row and the Spark projection, on the H200); whether MOE_SHARED=2's far one-token answers
-# (docs/benchmarks.md session 27) are a flipped near-tie routing choice or need PDL; the one-token KDA
-# launch shapes in the graphed step.
+# What a short loan runs first, most telling per minute: the router GEMV doing the top-k itself
+# (SPARKCHAT_ROUTE_IN_GEMV, session 28) checked on the GPU (real atomics), timed in the graphed step
+# and its answers replayed from one state; then `qbench` in a second call.
 quick() {
-    timeout 240 python3 -m sparkchat bench --context 1024 --iters 20 2>&1 | tee "$OUT/bench.txt"
+    timeout 120 python3 -m pytest -q tests/test_router_kernel.py 2>&1 | tail -3 | tee "$OUT/router-tests.txt"
+    timeout 240 python3 benchmarks/profile_step.py --rounds 3 --switch SPARKCHAT_ROUTE_IN_GEMV=1,2 \
+        2>&1 | tee "$OUT/ab-route-in-gemv.txt"
     timeout 120 python3 benchmarks/race_check.py --replays 3 --tokens 1 --routes \
-        --start-after "SPARKCHAT_MOE_SHARED=2+SPARKCHAT_PDL=1" --switch "SPARKCHAT_MOE_SHARED=2+SPARKCHAT_PDL=1" \
-        --switch SPARKCHAT_MOE_SHARED=2 --switch SPARKCHAT_PDL=1 2>&1 | tee "$OUT/race-shared.txt"
-    timeout 200 python3 benchmarks/profile_step.py --rounds 1 --switch SPARKCHAT_KDA_LAUNCH1=8x2,2x4,4x2,2x8 \
-        2>&1 | tee "$OUT/quick-ab.txt"
+        --switch SPARKCHAT_ROUTE_IN_GEMV=1 --switch SPARKCHAT_ROUTE_IN_GEMV=2 2>&1 | tee "$OUT/race-route-in-gemv.txt"
+}
+
+# `sparkchat bench` with the defaults (the headline row and the Spark projection) and the GPU engine
+# tests (greedy tokens as the CPU reference's, the MTP loop lossless).
+qbench() {
+    timeout 300 python3 -m sparkchat bench --context 1024 --iters 20 2>&1 | tee "$OUT/bench.txt"
+    tiny_models || return 1
+    timeout 150 python3 -m pytest -q -x tests/test_gpu_engine.py -k "fast_path_matches or lossless" 2>&1 | tail -3 \
+        | tee "$OUT/engine.txt"
 }
 
 # The same graphed step replayed from one state many times, per switch: a race shows as replays that
@@ -62,8 +67,7 @@ quick() {
 race() {
     timeout 400 python3 benchmarks/race_check.py --replays 12 --switch SPARKCHAT_SPLIT_MOE_INPUT_NORM=1 \
         --switch SPARKCHAT_MOE_ADD_NORM=2 --switch SPARKCHAT_SHARED_ADD_LATE=1 --switch SPARKCHAT_MOE_SHARED=2 \
-        --switch "SPARKCHAT_SPLIT_MOE_INPUT_NORM=1+SPARKCHAT_MOE_ADD_NORM=2+SPARKCHAT_SHARED_ADD_LATE=1+SPARKCHAT_MOE_SHARED=2" \
-        2>&1 | tee "$OUT/race.txt"
+        --switch SPARKCHAT_ROUTE_IN_GEMV=1 2>&1 | tee "$OUT/race.txt"
 }
 
 # The tiny models once for every engine test run after it (the test's fixture takes them prebuilt).
@@ -100,10 +104,9 @@ tests() {
         2>&1 | tail -15 \
         | tee "$OUT/kernels.txt"
     tiny_models || return 1
-    for sw in "" SPARKCHAT_SHARED_ADD_LATE=1 SPARKCHAT_MOE_ADD_NORM=2 \
-              SPARKCHAT_SPLIT_MOE_INPUT_NORM=1 SPARKCHAT_MOE_SHARED=1 SPARKCHAT_MOE_SHARED=2 \
-              SPARKCHAT_ROUTE_LATE_TRIGGER=1 \
-              "SPARKCHAT_SPLIT_MOE_INPUT_NORM=1 SPARKCHAT_MOE_ADD_NORM=2 SPARKCHAT_SHARED_ADD_LATE=1 SPARKCHAT_MOE_SHARED=2"; do
+    for sw in "" SPARKCHAT_SHARED_ADD_LATE=0 SPARKCHAT_MOE_ADD_NORM=0 SPARKCHAT_MOE_ADD_NORM=1 \
+              SPARKCHAT_SPLIT_MOE_INPUT_NORM=0 SPARKCHAT_MOE_SHARED=0 SPARKCHAT_MOE_SHARED=1 SPARKCHAT_ROUTE_IN_GEMV=1 \
+              "SPARKCHAT_SPLIT_MOE_INPUT_NORM=0 SPARKCHAT_MOE_ADD_NORM=0 SPARKCHAT_SHARED_ADD_LATE=0 SPARKCHAT_MOE_SHARED=0"; do
         echo "== ${sw:-the defaults}"
         # shellcheck disable=SC2086  # $sw holds several assignments
         env $sw timeout 150 python3 -m pytest -q -x tests/test_gpu_engine.py -k fast_path_matches 2>&1 | tail -4
@@ -134,6 +137,6 @@ load() {  # the checkpoint reader to the GPU: mmap vs plain reads, and the page 
 
 case "${1:-}" in
     wheels) wheels ;;
-    quick|race|first|ab|tests|configs|bench|load) install_wheels; "$1" ;;
-    *) echo "usage: $0 wheels|quick|race|first|ab|tests|configs|bench|load" >&2; exit 2 ;;
+    quick|qbench|race|first|ab|tests|configs|bench|load) install_wheels; "$1" ;;
+    *) echo "usage: $0 wheels|quick|qbench|race|first|ab|tests|configs|bench|load" >&2; exit 2 ;;
 esac

@@ -105,7 +105,7 @@ def test_the_gpu_queue_names_only_switches_the_code_reads():
     root = Path(__file__).resolve().parents[1]
     queue = (root / "benchmarks" / "gpu_queue.sh").read_text()
     names = set(re.findall(r"SPARKCHAT_[A-Z0-9_]+", queue))
-    assert "SPARKCHAT_MOE_SHARED" in names and "SPARKCHAT_ROUTE_LATE_TRIGGER" in names
+    assert "SPARKCHAT_MOE_SHARED" in names and "SPARKCHAT_MOE_ADD_NORM" in names
     code = "\n".join(p.read_text() for d in ("sparkchat", "tests") for p in (root / d).rglob("*.py")
                      if p.name != "test_profile_tools.py")
     unread = sorted(n for n in names if f'"{n}"' not in code)

@@ -162,14 +162,35 @@ def test_router_kernel_lane_best_ties_with_scores_from_the_gemv():
     run_script(LANE_TIES_SCRIPT, SPARKCHAT_ROUTER_SCORES="1")
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
-def test_late_trigger_is_opt_in_and_off_where_stage_1_runs_the_shared_expert(monkeypatch):
-    from sparkchat.engine.kernels.router import route_late_trigger
+IN_GEMV_SCRIPT = """
+import os
+import torch
+from sparkchat.engine.kernels.fp8_gemv import router_top_k
+from sparkchat.engine.kernels.router import route
+dev = "cuda" if torch.cuda.is_available() else "cpu"
+torch.manual_seed(4)
+E, G, TG, K, H = 512, 8, 4, 8, 640
+x = torch.randn(3, H, device=dev).to(torch.bfloat16)
+for W in ((torch.randn(E, H, device=dev) * 0.04).to(torch.bfloat16),
+          (torch.randn(6, H, device=dev) * 0.05)[torch.randint(0, 6, (E,), device=dev)]):  # ties
+    b = torch.randn(E, device=dev).round() * 0.25
+    for renorm in (True, False):
+        os.environ["SPARKCHAT_ROUTE_IN_GEMV"] = "0"
+        i1, w1 = route(x[:1], W, b, G, TG, K, 2.5, renorm)
+        for mode in ("1", "2", "1"):  # twice in a row: the arrival counter was reset
+            os.environ["SPARKCHAT_ROUTE_IN_GEMV"] = mode
+            i2, w2 = route(x[:1], W, b, G, TG, K, 2.5, renorm)
+            assert torch.equal(i1, i2) and torch.equal(w1, w2), (mode, i1, i2)  # the same partials, in order
+        os.environ["SPARKCHAT_ROUTE_IN_GEMV"] = "0"
+        i3, w3 = route(x, W, b, G, TG, K, 2.5, renorm)  # a window: the top-k kernel, one program a token
+        i4, w4 = router_top_k(x, W, b, G, TG, K, 2.5, renorm)  # its last program takes every token in turn
+        assert torch.equal(i3, i4) and torch.equal(w3, w4), (i3, i4)
+print("ok")
+"""
 
-    monkeypatch.delenv("SPARKCHAT_MOE_SHARED", raising=False)
-    monkeypatch.delenv("SPARKCHAT_ROUTE_LATE_TRIGGER", raising=False)
-    assert not route_late_trigger(1)
-    monkeypatch.setenv("SPARKCHAT_ROUTE_LATE_TRIGGER", "1")
-    assert route_late_trigger(1) and route_late_trigger(4)
-    monkeypatch.setenv("SPARKCHAT_MOE_SHARED", "2")  # one token: stage 1's shared programs run during the top-k
-    assert not route_late_trigger(1) and route_late_trigger(4)
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed (CPU-only CI)")
+def test_the_logits_gemv_doing_the_top_k_routes_as_the_top_k_kernel_does():
+    """SPARKCHAT_ROUTE_IN_GEMV=1|2 (one token): the last program of the router logits' GEMV does the top-k
+    and picks the very experts and weights the top-k kernel picks, ties included, call after call."""
+    run_script(IN_GEMV_SCRIPT)

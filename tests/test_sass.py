@@ -246,25 +246,13 @@ def test_one_token_stages_with_the_shared_expert_compile_without_spills(arch):
 
 
 @pytest.mark.parametrize("arch", [90, 121])
-def test_the_top_k_can_let_stage_1_start_after_its_stores(arch):
-    """SPARKCHAT_ROUTE_LATE_TRIGGER=1: the top-k's one launch-dependents instruction moves after its
-    stores (the wait stays first), and the kernel is otherwise the same size."""
+def test_the_router_gemv_with_the_top_k_compiles_without_spills(arch):
+    """SPARKCHAT_ROUTE_IN_GEMV=1|2: the router logits' GEMV with the top-k in its last program, for the
+    H200 and the Spark, in its tuned warps and in one warp."""
     s = _tools()
-    early, late = s.router_sass(arch), s.router_sass(arch, late_trigger=True)
-    if early is None:
-        pytest.skip("no SASS for this arch from the bundled cuobjdump")
-
-    def order(sass):
-        ops = [s._op(i) for i in sass]
-        stores = [n for n, op in enumerate(ops) if op == "STG"]
-        trigger = [n for n, i in enumerate(sass) if "PREEXIT" in i]  # griddepcontrol.launch_dependents
-        return stores, trigger
-
-    stores, trigger = order(early)
-    assert len(trigger) == 1 and trigger[0] < stores[0], (trigger, stores)
-    stores, trigger = order(late)
-    assert len(trigger) == 1 and trigger[0] > stores[-1], (trigger, stores)
-    assert abs(len(late) - len(early)) <= 8
+    for warps in (None, 1):
+        kernel = s.router_in_gemv(arch, warps)
+        assert s.stack_frame(kernel, "fp8_gemv_kernel") in (0, None), warps
 
 
 @pytest.mark.parametrize("arch", [90, 121])

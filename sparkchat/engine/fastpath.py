@@ -157,15 +157,15 @@ def side_stream_enabled() -> bool:
 
 
 def shared_in_stages_mode() -> int:
-    """How a MoE layer runs its shared expert in decode windows, from SPARKCHAT_MOE_SHARED: 0 (the
-    default) as two GEMVs on a side stream, joined before the routed experts' stage 2; at one token
-    (ExpertsKernel.FUSED_MAX_TOKENS) 1 its gate|up GEMV on the side stream, its down rows inside stage 2,
-    2 both inside the routed stages (no side stream). Opt-in: mode 1 left the one-token step as it was
-    (H200, +0.013 ms); mode 2 is 0.05 ms faster (H100, session 27) but from some states answers a
-    one-token step far from mode 0 (59% of the logits' scale; docs/benchmarks.md session 27,
-    benchmarks/race_check.py --start-after): a bug, or its shared expert's other summation order
-    flipping a near-tie routing choice — not yet told apart."""
-    value = os.environ.get("SPARKCHAT_MOE_SHARED", "0")
+    """How a MoE layer runs its shared expert in decode windows, from SPARKCHAT_MOE_SHARED: 0 as two
+    GEMVs on a side stream (verify windows always do); at one token (ExpertsKernel.FUSED_MAX_TOKENS) 1
+    its gate|up GEMV on the side stream, its down rows inside stage 2, 2 (the default) both inside the
+    routed stages, no side stream. Mode 2: H100, session 28, the graphed step 2.552 -> 2.479 ms on top of
+    session 27's defaults (mode 1 left it as it was on the H200). Its answers differ from mode 0's only
+    by roundings: where one is far, as from some saved states, a routing choice was a near tie (MoE layer
+    17 of 40 first chose other experts, its 8th and 9th scores 8.4e-5 apart, far below a bf16 ulp), and
+    the same with PDL off (docs/benchmarks.md session 28, benchmarks/race_check.py --routes)."""
+    value = os.environ.get("SPARKCHAT_MOE_SHARED", "2")
     return int(value) if value in ("0", "1", "2") else 0
 
 

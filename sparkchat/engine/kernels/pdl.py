@@ -50,18 +50,8 @@ def pdl_args(device: torch.device | str | int | None = None) -> dict:
 
 
 @triton.jit
-def pdl_wait(PDL: tl.constexpr, LATE_TRIGGER: tl.constexpr = False):
-    """Wait for the previous kernel (finished, writes visible), then let the next one start — unless
-    LATE_TRIGGER: then the kernel calls pdl_trigger itself, later."""
+def pdl_wait(PDL: tl.constexpr):
+    """Wait for the previous kernel (finished, writes visible), then let the next one start."""
     if PDL:
         tl.extra.cuda.gdc_wait()
-        if not LATE_TRIGGER:
-            tl.extra.cuda.gdc_launch_dependents()
-
-
-@triton.jit
-def pdl_trigger(PDL: tl.constexpr):
-    """Let the next kernel start (after pdl_wait(PDL, LATE_TRIGGER=True)): its programs then take the
-    GPU's free slots only from here on, leaving them to other streams' kernels until then."""
-    if PDL:
         tl.extra.cuda.gdc_launch_dependents()
