@@ -488,14 +488,6 @@ def bench_router(rec: Recorder, sweep: bool) -> None:
         assert torch.equal(i1.sort(-1).values, i2.sort(-1).values), "router kernel disagrees with its twin"
         us = graph_us([lambda i=i: route(x, ws_[i], bias, 8, 4, K, 2.5, True) for i in range(copies)])
         rec.add(f"router (logits GEMV + top-k) T={T}", us, E * H * 2 + T * H * 2)
-        os.environ["SPARKCHAT_ROUTER_SCORES"] = "1"  # the scores made by the GEMV's last programs
-        try:
-            i3, _ = route(x, ws_[0], bias, 8, 4, K, 2.5, True)
-            assert torch.equal(i3, i2), "the scored top-k picks other experts"
-            us = graph_us([lambda i=i: route(x, ws_[i], bias, 8, 4, K, 2.5, True) for i in range(copies)])
-            rec.add(f"router, scores from the GEMV (SPARKCHAT_ROUTER_SCORES=1) T={T}", us, E * H * 2 + T * H * 2)
-        finally:
-            os.environ.pop("SPARKCHAT_ROUTER_SCORES")
         if sweep:
             # fewer split-K partials make the top-k kernel's loads shorter; more rows per program less
             for gcfg in (None, GemvConfig(bn=4, rs=1, bk=512, warps=2, split=1),

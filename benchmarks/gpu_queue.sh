@@ -38,19 +38,17 @@ transformers.__version__)"; } > "$OUT/env.txt" 2>&1
 ab() {
     timeout 560 python3 benchmarks/profile_step.py \
         --switch SPARKCHAT_SPLIT_MOE_INPUT_NORM=1 --switch SPARKCHAT_MOE_ADD_NORM=1,2 \
-        --switch SPARKCHAT_SHARED_ADD_LATE=1 --switch SPARKCHAT_MOE_SHARED=1,2 --switch SPARKCHAT_ROUTE_IN_GEMV=1,2 \
+        --switch SPARKCHAT_SHARED_ADD_LATE=1 --switch SPARKCHAT_MOE_SHARED=1,2 \
         --rounds 3 2>&1 | tee "$OUT/ab.txt"
 }
 
-# What a short loan runs first, most telling per minute: the router GEMV doing the top-k itself
-# (SPARKCHAT_ROUTE_IN_GEMV, session 28) checked on the GPU (real atomics), timed in the graphed step
-# and its answers replayed from one state; then `qbench` in a second call.
+# What a short loan runs first, most telling per minute: the router kernel on the GPU, the default
+# path's answers replayed from one state against each switch off, the timeline of the graphed step.
 quick() {
     timeout 120 python3 -m pytest -q tests/test_router_kernel.py 2>&1 | tail -3 | tee "$OUT/router-tests.txt"
-    timeout 240 python3 benchmarks/profile_step.py --rounds 3 --switch SPARKCHAT_ROUTE_IN_GEMV=1,2 \
-        2>&1 | tee "$OUT/ab-route-in-gemv.txt"
-    timeout 120 python3 benchmarks/race_check.py --replays 3 --tokens 1 --routes \
-        --switch SPARKCHAT_ROUTE_IN_GEMV=1 --switch SPARKCHAT_ROUTE_IN_GEMV=2 2>&1 | tee "$OUT/race-route-in-gemv.txt"
+    timeout 200 python3 benchmarks/race_check.py --replays 3 --routes --switch SPARKCHAT_MOE_SHARED=2 \
+        --switch SPARKCHAT_MOE_ADD_NORM=2 2>&1 | tee "$OUT/race-defaults.txt"
+    timeout 120 python3 benchmarks/profile_step.py --timeline 2>&1 | tee "$OUT/timeline.txt"
 }
 
 # `sparkchat bench` with the defaults (the headline row and the Spark projection) and the GPU engine
@@ -66,8 +64,7 @@ qbench() {
 # answer differently (session 27: the four switches together once answered one token far from off).
 race() {
     timeout 400 python3 benchmarks/race_check.py --replays 12 --switch SPARKCHAT_SPLIT_MOE_INPUT_NORM=1 \
-        --switch SPARKCHAT_MOE_ADD_NORM=2 --switch SPARKCHAT_SHARED_ADD_LATE=1 --switch SPARKCHAT_MOE_SHARED=2 \
-        --switch SPARKCHAT_ROUTE_IN_GEMV=1 2>&1 | tee "$OUT/race.txt"
+        --switch SPARKCHAT_MOE_ADD_NORM=2 --switch SPARKCHAT_SHARED_ADD_LATE=1 --switch SPARKCHAT_MOE_SHARED=2 2>&1 | tee "$OUT/race.txt"
 }
 
 # The tiny models once for every engine test run after it (the test's fixture takes them prebuilt).
@@ -105,7 +102,7 @@ tests() {
         | tee "$OUT/kernels.txt"
     tiny_models || return 1
     for sw in "" SPARKCHAT_SHARED_ADD_LATE=0 SPARKCHAT_MOE_ADD_NORM=0 SPARKCHAT_MOE_ADD_NORM=1 \
-              SPARKCHAT_SPLIT_MOE_INPUT_NORM=0 SPARKCHAT_MOE_SHARED=0 SPARKCHAT_MOE_SHARED=1 SPARKCHAT_ROUTE_IN_GEMV=1 \
+              SPARKCHAT_SPLIT_MOE_INPUT_NORM=0 SPARKCHAT_MOE_SHARED=0 SPARKCHAT_MOE_SHARED=1 \
               "SPARKCHAT_SPLIT_MOE_INPUT_NORM=0 SPARKCHAT_MOE_ADD_NORM=0 SPARKCHAT_SHARED_ADD_LATE=0 SPARKCHAT_MOE_SHARED=0"; do
         echo "== ${sw:-the defaults}"
         # shellcheck disable=SC2086  # $sw holds several assignments

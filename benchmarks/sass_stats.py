@@ -267,33 +267,14 @@ def moe_vec_stage_ops(T: int, stage: int, arch: int = 90) -> tuple[dict[str, int
     return counts, registers(kernel, fn.__name__)
 
 
-def router_sass(arch: int, scored: bool = False) -> list[str] | None:
+def router_sass(arch: int) -> list[str] | None:
     """The whole route_kernel (one token, the Ling shape) as the engine launches it: from the logits
-    GEMV's 10 split-K partials, or (scored) from the scores its last programs made
-    (SPARKCHAT_ROUTER_SCORES=1)."""
+    GEMV's 10 split-K partials."""
     from sparkchat.engine.kernels import router as r
 
     sig = {"logits_ptr": "*fp32", "bias_ptr": "*fp32", "ids_ptr": "*i64", "w_ptr": "*fp32", "scaling": "fp32"}
-    cx = dict(E=E, G=8, TG=4, K=K, KP=8, RENORM=True, T=1, SPLIT=10, PDL=True, SCORED=scored)
+    cx = dict(E=E, G=8, TG=4, K=K, KP=8, RENORM=True, T=1, SPLIT=10, PDL=True)
     return compile_sass(r.route_kernel, sig, cx, r.ROUTE_WARPS, arch)
-
-
-def router_in_gemv(arch: int, warps: int | None = None):
-    """The router logits' GEMV whose last program does the top-k (fp8_gemv.router_top_k,
-    SPARKCHAT_ROUTE_IN_GEMV), one token at the Ling shape (512 experts over 2560, 8 of 8 groups' best 4),
-    as the engine launches it (warps: the mode-2 override): the compiled kernel."""
-    from sparkchat.engine.kernels import fp8_gemv as g
-
-    cfg = g.gemv_config("plain", 1, E, H)
-    bk = min(cfg.bk, g._pow2(H))
-    split = g._split_for(H, bk, cfg.split)
-    sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "s_ptr": "*bf16", "y_ptr": "*fp32", "pmax_ptr": "*fp32",
-           "pidx_ptr": "*fp32", "lim": "fp32", "cnt_ptr": "*i32", "res_ptr": "*fp32", "route_ids_ptr": "*i64",
-           "route_w_ptr": "*fp32", "route_scaling": "fp32"}
-    cx = dict(T=1, N=E, K=H, BN=cfg.bn, RS=cfg.rs, BK=bk, UNROLL=cfg.unroll, SCALE=2, OUT=3, SPLIT=split,
-              PREFETCH=cfg.prefetch, ROW_ACC=cfg.row_acc, XS=0, XU=0, X_SWIGLU=False, PDL=True, KACC=g._kacc(cfg, bk),
-              XN_NSQ=0, XN_NSQP=1, ROUTE_K=K, ROUTE_KP=8, ROUTE_G=8, ROUTE_TG=4, ROUTE_RENORM=True)
-    return compile_kernel(g.fp8_gemv_kernel, sig, cx, warps or cfg.warps, arch)
 
 
 def kda_step(arch: int, T: int = 1, programs: int = 4, warps: int = 4, keep: bool = False):
@@ -461,14 +442,6 @@ def main() -> None:
         for label, (regs, stack) in split_norm_kernels(arch).items():  # SPARKCHAT_MOE_ADD_NORM=2 and the like
             print(f"  split norm: {label}: {regs} registers, {stack} bytes of stack")
         report("route_kernel (whole kernel, one warp)", router_sass(arch))
-        report("route_kernel from the GEMV's scores (SPARKCHAT_ROUTER_SCORES=1)", router_sass(arch, scored=True))
-        for warps in (None, 1):  # SPARKCHAT_ROUTE_IN_GEMV=1, 2
-            kernel = router_in_gemv(arch, warps)
-            sass = disassemble(kernel, "fp8_gemv_kernel")
-            size = f", {len(sass)} instructions" if sass else ""
-            print(f"  router logits GEMV with the top-k in its last program ({warps or 'tuned'} warps): "
-                  f"{registers(kernel, 'fp8_gemv_kernel')} registers, "
-                  f"{stack_frame(kernel, 'fp8_gemv_kernel')} bytes of stack{size}")
         kernel, weights = mma_gemv(arch)
         ptx = kernel.asm["ptx"]
         mma = "wgmma" if "wgmma" in ptx else "mma.sync" if "mma.sync" in ptx else "no MMA"

@@ -246,16 +246,6 @@ def test_one_token_stages_with_the_shared_expert_compile_without_spills(arch):
 
 
 @pytest.mark.parametrize("arch", [90, 121])
-def test_the_router_gemv_with_the_top_k_compiles_without_spills(arch):
-    """SPARKCHAT_ROUTE_IN_GEMV=1|2: the router logits' GEMV with the top-k in its last program, for the
-    H200 and the Spark, in its tuned warps and in one warp."""
-    s = _tools()
-    for warps in (None, 1):
-        kernel = s.router_in_gemv(arch, warps)
-        assert s.stack_frame(kernel, "fp8_gemv_kernel") in (0, None), warps
-
-
-@pytest.mark.parametrize("arch", [90, 121])
 def test_kda_layer_compiles_without_spills_as_launched(arch):
     """kda_decode as a Ling KDA layer launches it — one token with the default launch shape and the
     4-token verify that keeps its inputs — holds its state in registers without a stack."""

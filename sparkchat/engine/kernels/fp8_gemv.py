@@ -27,7 +27,6 @@ from sparkchat.engine.kernels.device import interpreting
 from sparkchat.engine.kernels.norm_rows import SCALE_BLOCK, _norm_rows, norm_rows_kernel
 from sparkchat.engine.kernels.packed_acts import _store_packed
 from sparkchat.engine.kernels.pdl import pdl_args, pdl_wait
-from sparkchat.engine.kernels.top_k import route_token
 
 
 @triton.jit
@@ -168,11 +167,6 @@ def fp8_gemv_kernel(
     cnt_ptr=None, res_ptr=None, nw_ptr=None, s_out_ptr=None, h_ptr=None, ssq_ptr=None, eps=0.0,
     h16_ptr=None, hd_ptr=None, F16: tl.constexpr = False, hx_ptr=None, MOE_X: tl.constexpr = False,
     INTERPRET: tl.constexpr = False,
-    ROUTER: tl.constexpr = False,  # OUT 3: then the router's scores (_router_scores_tail; cnt_ptr, res_ptr = bias)
-    # ROUTE_K > 0 (OUT 3): then the router's top-k by the last program to finish (_route_tail; cnt_ptr,
-    # res_ptr = bias): ROUTE_K experts of ROUTE_G groups' best ROUTE_TG into route_ids_ptr / route_w_ptr
-    ROUTE_K: tl.constexpr = 0, ROUTE_KP: tl.constexpr = 1, ROUTE_G: tl.constexpr = 1, ROUTE_TG: tl.constexpr = 1,
-    ROUTE_RENORM: tl.constexpr = False, route_ids_ptr=None, route_w_ptr=None, route_scaling=1.0,
     # XN_NSQ > 0: x is s, an RMSNorm's input, with XN_NSQ partial sums of squares a token at xn_ssq_ptr;
     # the activations are the norm's output (weight xn_w_ptr), which the first row block writes to xn_h_ptr
     # (XN_WRITE False: not written here, another kernel does; XN_HX: also as the MoE's packed planes, xn_hx_ptr)
@@ -262,11 +256,6 @@ def fp8_gemv_kernel(
     if ADD_NORM:
         _add_norm_tail(y_ptr, cnt_ptr, res_ptr, nw_ptr, s_out_ptr, h_ptr, ssq_ptr, eps, h16_ptr, hd_ptr, hx_ptr,
                        pid, r0, sub, T, N, BN, RS, SPLIT, F16, MOE_X, INTERPRET, NORM_LAST)
-    if ROUTER:
-        _router_scores_tail(y_ptr, cnt_ptr, res_ptr, s_out_ptr, pid, r0, sub, T, N, BN, RS, SPLIT)
-    if ROUTE_K > 0:
-        _route_tail(y_ptr, cnt_ptr, res_ptr, route_ids_ptr, route_w_ptr, route_scaling, NP * SPLIT, T, N, SPLIT,
-                    ROUTE_G, ROUTE_TG, ROUTE_K, ROUTE_KP, ROUTE_RENORM)
 
 
 @triton.jit
@@ -277,46 +266,6 @@ def _split_sum(part_ptr, t, rows, m, T: tl.constexpr, N: tl.constexpr, SPLIT: tl
     for p in tl.static_range(1, SPLIT):
         y += tl.load(part_ptr + (p * T + t) * N + rows, mask=m, other=0.0, cache_modifier=".cg")
     return y
-
-
-@triton.jit
-def _router_scores_tail(part_ptr, cnt_ptr, bias_ptr, scores_ptr, pid, r0, sub, T: tl.constexpr, N: tl.constexpr,
-                        BN: tl.constexpr, RS: tl.constexpr, SPLIT: tl.constexpr):
-    """The router logits' GEMV finishing what the top-k kernel would start with: the last split of each
-    row block to finish (arrival counter pid, reset by it) sums its rows' partials in split order — the
-    top-k kernel's order, so the same fp32 logits — and writes each expert's sigmoid score
-    (scores[0, t]) and its selection score, sigmoid + expert bias (scores[1, t]). Done here by 32 programs
-    side by side, that work leaves the top-k's single warp (kernels/router.py, SCORED)."""
-    tl.debug_barrier()  # this program's partial stores -> the release below
-    done = tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel", scope="gpu")
-    if done == SPLIT - 1:
-        tl.debug_barrier()
-        for t in tl.static_range(T):
-            for r in tl.static_range(RS):
-                rows = r0 + r * BN + sub
-                m = rows < N
-                sc = tl.sigmoid(_split_sum(part_ptr, t, rows, m, T, N, SPLIT))
-                tl.store(scores_ptr + t * N + rows, sc, mask=m)
-                tl.store(scores_ptr + (T + t) * N + rows, sc + tl.load(bias_ptr + rows, mask=m, other=0.0), mask=m)
-        tl.store(cnt_ptr + pid, 0)
-
-
-@triton.jit
-def _route_tail(part_ptr, cnt_ptr, bias_ptr, ids_ptr, w_ptr, scaling, programs, T: tl.constexpr,
-                E: tl.constexpr, SPLIT: tl.constexpr, G: tl.constexpr, TG: tl.constexpr, K: tl.constexpr,
-                KP: tl.constexpr, RENORM: tl.constexpr):
-    """The router logits' GEMV doing the top-k itself: the last of its `programs` to finish (one arrival
-    counter, reset by it) runs what the top-k kernel would (top_k.route_token, the partials added in the
-    same order, so the same experts and weights), and the routed experts' stage 1 waits for one launch
-    fewer a MoE layer."""
-    tl.debug_barrier()  # this program's partial stores -> the release below
-    done = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
-    if done == programs - 1:
-        tl.debug_barrier()
-        for t in tl.static_range(T):
-            route_token(part_ptr, bias_ptr, ids_ptr, w_ptr, scaling, t, E, G, TG, K, KP, RENORM, T, SPLIT, False,
-                        True)
-        tl.store(cnt_ptr, 0)
 
 
 @triton.jit
@@ -942,58 +891,6 @@ def plain_gemv_partials(x: torch.Tensor, w: torch.Tensor, config: GemvConfig | N
         SPLIT=split, PREFETCH=cfg.prefetch, ROW_ACC=cfg.row_acc, OUT=3, KACC=_kacc(cfg, bk), num_warps=cfg.warps,
         **extra, **pdl_args(x.device))
     return part
-
-
-def router_scores(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor,
-                  config: GemvConfig | None = None, split_norm: SplitNorm | None = None) -> torch.Tensor:
-    """The router's scores for a decode window, in one launch of the split-K GEMV whose last programs
-    sum the partials (_router_scores_tail): fp32 [2, T, E], sigmoid(x @ w.T) and that plus `bias`, the
-    very values the top-k kernel computes from plain_gemv_partials' output."""
-    T, K = x.shape
-    N = w.shape[0]
-    assert w.shape[1] == K and w.dtype in (torch.float32, torch.bfloat16) and w.is_contiguous()
-    assert x.dtype == torch.bfloat16 and x.is_contiguous() and 1 <= T <= 8
-    assert bias.shape == (N,) and bias.dtype == torch.float32 and bias.is_contiguous()
-    cfg = config or gemv_config("plain", T, N, K)
-    bk = min(cfg.bk, _pow2(K))
-    split = _split_for(K, bk, cfg.split)
-    part = torch.empty(split, T, N, dtype=torch.float32, device=x.device)
-    scores = torch.empty(2, T, N, dtype=torch.float32, device=x.device)
-    blocks = triton.cdiv(N, cfg.bn * cfg.rs)
-    x, extra = _split_norm_input(x, split_norm)
-    fp8_gemv_kernel[(blocks, split)](
-        x, w, w, part, part, part, T=T, N=N, K=K, BN=cfg.bn, RS=cfg.rs, BK=bk, UNROLL=cfg.unroll, SCALE=2,
-        SPLIT=split, PREFETCH=cfg.prefetch, ROW_ACC=cfg.row_acc, OUT=3, KACC=_kacc(cfg, bk), num_warps=cfg.warps,
-        ROUTER=True, cnt_ptr=arrival_counters("router_scores", x.device, blocks), res_ptr=bias, s_out_ptr=scores,
-        **extra, **pdl_args(x.device))
-    return scores
-
-
-def router_top_k(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, groups: int, top_groups: int, top_k: int,
-                 scaling: float, renormalize: bool, config: GemvConfig | None = None,
-                 split_norm: SplitNorm | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The router's experts and weights for a decode window in one launch: the split-K logits GEMV whose
-    last program does the group-limited top-k (_route_tail). The same (ids [T, k] int64, weights [T, k]
-    fp32) as plain_gemv_partials followed by router.route_kernel, bit for bit."""
-    T, K = x.shape
-    N = w.shape[0]
-    assert w.shape[1] == K and w.dtype in (torch.float32, torch.bfloat16) and w.is_contiguous()
-    assert x.dtype == torch.bfloat16 and x.is_contiguous() and 1 <= T <= 8
-    assert bias.shape == (N,) and bias.dtype == torch.float32 and bias.is_contiguous()
-    cfg = config or gemv_config("plain", T, N, K)
-    bk = min(cfg.bk, _pow2(K))
-    split = _split_for(K, bk, cfg.split)
-    part = torch.empty(split, T, N, dtype=torch.float32, device=x.device)
-    ids = torch.empty(T, top_k, dtype=torch.int64, device=x.device)
-    weights = torch.empty(T, top_k, dtype=torch.float32, device=x.device)
-    x, extra = _split_norm_input(x, split_norm)
-    fp8_gemv_kernel[(triton.cdiv(N, cfg.bn * cfg.rs), split)](
-        x, w, w, part, part, part, T=T, N=N, K=K, BN=cfg.bn, RS=cfg.rs, BK=bk, UNROLL=cfg.unroll, SCALE=2,
-        SPLIT=split, PREFETCH=cfg.prefetch, ROW_ACC=cfg.row_acc, OUT=3, KACC=_kacc(cfg, bk), num_warps=cfg.warps,
-        ROUTE_K=top_k, ROUTE_KP=triton.next_power_of_2(top_k), ROUTE_G=groups, ROUTE_TG=top_groups,
-        ROUTE_RENORM=renormalize, route_ids_ptr=ids, route_w_ptr=weights, route_scaling=float(scaling),
-        cnt_ptr=arrival_counters("router_top_k", x.device, 1), res_ptr=bias, **extra, **pdl_args(x.device))
-    return ids, weights
 
 
 def fp8_head_argmax_workspace(T: int, V: int, device, config: GemvConfig | None = None, H: int | None = None):
