@@ -2,7 +2,7 @@
 # The GPU runs waiting for a development GPU, as named batches, so a lent machine starts on them at once.
 #
 #   bash benchmarks/gpu_queue.sh wheels        # here (with package registries): the wheels the GPU box lacks
-#   bash benchmarks/gpu_queue.sh quick|qbench|race|first|ab|tests|configs|bench|load   # on the GPU box, logs under $OUT (default ./gpu-out)
+#   bash benchmarks/gpu_queue.sh quick|qbench|gemvs|race|first|ab|tests|configs|bench|load   # on the GPU box, logs under $OUT (default ./gpu-out)
 #
 # The GPU box has torch, triton and transformers, but not this project's other dependencies, nor the
 # transformers the tiny test models need (5.24), and it cannot fetch: `wheels` downloads them into .whl2/
@@ -49,6 +49,17 @@ quick() {
     timeout 200 python3 benchmarks/race_check.py --replays 3 --routes --switch SPARKCHAT_MOE_SHARED=2 \
         --switch SPARKCHAT_MOE_ADD_NORM=2 2>&1 | tee "$OUT/race-defaults.txt"
     timeout 120 python3 benchmarks/profile_step.py --timeline 2>&1 | tee "$OUT/timeline.txt"
+}
+
+# The one-token router logits GEMV (plain.1.512.2560: tuned bn 16, split 10, before it also finished the
+# MoE input's norm) and the attention output projection (block.1.2560.4096: split 4, now also writing the
+# norm's sums of squares) in other shapes, timed inside the graphed step (SPARKCHAT_GEMV_CONFIG).
+gemvs() {
+    timeout 120 python3 -m pytest -q tests/test_router_kernel.py 2>&1 | tail -3 | tee "$OUT/router-tests.txt"
+    timeout 300 python3 benchmarks/profile_step.py --rounds 2 \
+        --switch "SPARKCHAT_GEMV_CONFIG=plain.1.512.2560.split:5,plain.1.512.2560.split:20,plain.1.512.2560.bn:8/plain.1.512.2560.split:5,plain.1.512.2560.bn:8,block.1.2560.4096.split:2,block.1.2560.4096.split:8" \
+        2>&1 | tee "$OUT/gemvs.txt"
+    timeout 100 python3 benchmarks/profile_step.py --timeline --tokens 4 2>&1 | tee "$OUT/timeline-verify.txt"
 }
 
 # `sparkchat bench` with the defaults (the headline row and the Spark projection) and the GPU engine
@@ -134,6 +145,6 @@ load() {  # the checkpoint reader to the GPU: mmap vs plain reads, and the page 
 
 case "${1:-}" in
     wheels) wheels ;;
-    quick|qbench|race|first|ab|tests|configs|bench|load) install_wheels; "$1" ;;
-    *) echo "usage: $0 wheels|quick|qbench|race|first|ab|tests|configs|bench|load" >&2; exit 2 ;;
+    quick|qbench|gemvs|race|first|ab|tests|configs|bench|load) install_wheels; "$1" ;;
+    *) echo "usage: $0 wheels|quick|qbench|gemvs|race|first|ab|tests|configs|bench|load" >&2; exit 2 ;;
 esac

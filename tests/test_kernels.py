@@ -1071,3 +1071,20 @@ def test_narrow_accumulator_width_must_divide_the_k_step():
     assert _kacc(GemvConfig(bk=512), 512) == 0
     with pytest.raises(AssertionError, match="kacc=48"):
         _kacc(GemvConfig(bk=512, kacc=48), 512)
+
+
+def test_gemv_config_overrides_take_one_shape_and_refuse_typos(monkeypatch):
+    """SPARKCHAT_GEMV_CONFIG changes only the named shape's fields; a malformed item says what it wants."""
+    from sparkchat.engine.kernels.fp8_gemv import gemv_config
+
+    monkeypatch.delenv("SPARKCHAT_GEMV_CONFIG", raising=False)
+    router, o_proj = gemv_config("plain", 1, 512, 2560), gemv_config("block", 1, 2560, 4096)
+    router4 = gemv_config("plain", 4, 512, 2560)
+    monkeypatch.setenv("SPARKCHAT_GEMV_CONFIG", "plain.1.512.2560.split:5/plain.1.512.2560.bn:8")
+    changed = gemv_config("plain", 1, 512, 2560)
+    assert (changed.split, changed.bn, changed.bk) == (5, 8, router.bk)
+    assert gemv_config("block", 1, 2560, 4096) == o_proj and gemv_config("plain", 4, 512, 2560) == router4
+    for bad in ("plain.1.512.split:5", "plain.1.512.2560.splits:5", "plain.1.512.2560.split:x"):
+        monkeypatch.setenv("SPARKCHAT_GEMV_CONFIG", bad)
+        with pytest.raises(ValueError, match="SPARKCHAT_GEMV_CONFIG"):
+            gemv_config("plain", 1, 512, 2560)

@@ -142,3 +142,22 @@ def test_the_gpu_queue_moe_configs_parse(monkeypatch):
     for value in (v for spec in specs for v in spec.split(",")):
         monkeypatch.setenv("SPARKCHAT_MOE_CONFIG", value)
         assert moe_config_overrides(1) or moe_config_overrides(4), value
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
+def test_the_gpu_queue_gemv_configs_parse_and_name_real_shapes(monkeypatch):
+    """Each SPARKCHAT_GEMV_CONFIG value the queue alternates changes the config of a GEMV the one-token
+    step runs (a typo in a field raises; a shape nobody asks for would time the default against itself)."""
+    import re
+
+    from sparkchat.engine.kernels.fp8_gemv import gemv_config
+
+    queue = (Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_queue.sh").read_text()
+    specs = re.findall(r"SPARKCHAT_GEMV_CONFIG=([^\s\"]+)", queue)
+    assert specs
+    shapes = [("plain", 1, 512, 2560), ("block", 1, 2560, 4096), ("block", 1, 20480, 2560)]
+    monkeypatch.delenv("SPARKCHAT_GEMV_CONFIG", raising=False)
+    defaults = [gemv_config(*shape) for shape in shapes]
+    for value in (v for spec in specs for v in spec.split(",")):
+        monkeypatch.setenv("SPARKCHAT_GEMV_CONFIG", value)
+        assert [gemv_config(*shape) for shape in shapes] != defaults, value

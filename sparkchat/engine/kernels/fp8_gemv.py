@@ -16,7 +16,8 @@ pass for up to 16 tokens.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -523,6 +524,37 @@ MMA_MIN_ROWS = 4096  # untuned shapes with several tokens and at least this many
 
 
 def gemv_config(kind: str, T: int, N: int | None = None, K: int | None = None) -> GemvConfig:
+    """The config for (kind, T, N, K) (_gemv_config_for), with SPARKCHAT_GEMV_CONFIG's fields for that
+    shape over it (gemv_config_overrides)."""
+    cfg = _gemv_config_for(kind, T, N, K)
+    fields = gemv_config_overrides(kind, T, N, K)
+    return replace(cfg, **fields) if fields else cfg
+
+
+def gemv_config_overrides(kind: str, T: int, N: int | None, K: int | None) -> dict:
+    """SPARKCHAT_GEMV_CONFIG: GemvConfig fields for one GEMV shape, `<kind>.<T>.<N>.<K>.<field>:<value>`
+    joined by `/` (e.g. `plain.1.512.2560.split:5/plain.1.512.2560.bk:256`, the router logits), for
+    timing configs inside the graphed step with profile_step --switch (whose NAME=V1,V2 lists several
+    values, hence no commas). "0" or unset: none."""
+    spec = os.environ.get("SPARKCHAT_GEMV_CONFIG", "0")
+    if spec in ("", "0"):
+        return {}
+    types = {f.name: f.type for f in dataclasses.fields(GemvConfig)}
+    out: dict = {}
+    for item in spec.split("/"):
+        shape, _, setting = item.rpartition(".")
+        name, _, value = setting.partition(":")
+        parts = shape.split(".")
+        if (len(parts) != 4 or not all(p.isdigit() for p in parts[1:]) or name not in types
+                or not value.isdigit()):
+            raise ValueError(f"SPARKCHAT_GEMV_CONFIG: {item!r} is not <kind>.<T>.<N>.<K>.<field>:<value> "
+                             f"(fields: {', '.join(types)})")
+        if (parts[0], int(parts[1]), int(parts[2]), int(parts[3])) == (kind, T, N, K):
+            out[name] = bool(int(value)) if types[name] in (bool, "bool") else int(value)
+    return out
+
+
+def _gemv_config_for(kind: str, T: int, N: int | None = None, K: int | None = None) -> GemvConfig:
     """Tuned config for ("block" | "head", T, N, K), else: the tensor-core kernel for 2-16 tokens over at
     least MMA_MIN_ROWS rows; otherwise the FMA kernel ([bn, bk/16] accumulators at one token, as most
     tuned one-token shapes have; one row tile per program beyond two tokens, which keeps the accumulators
