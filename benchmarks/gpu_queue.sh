@@ -2,7 +2,7 @@
 # The GPU runs waiting for a development GPU, as named batches, so a lent machine starts on them at once.
 #
 #   bash benchmarks/gpu_queue.sh wheels        # here (with package registries): the wheels the GPU box lacks
-#   bash benchmarks/gpu_queue.sh quick|qbench|gemvs|race|first|ab|tests|configs|bench|load   # on the GPU box, logs under $OUT (default ./gpu-out)
+#   bash benchmarks/gpu_queue.sh quick|qbench|gemvs|verify|race|first|ab|tests|configs|bench|load   # on the GPU box, logs under $OUT (default ./gpu-out)
 #
 # The GPU box has torch, triton and transformers, but not this project's other dependencies, nor the
 # transformers the tiny test models need (5.24), and it cannot fetch: `wheels` downloads them into .whl2/
@@ -51,14 +51,25 @@ quick() {
     timeout 120 python3 benchmarks/profile_step.py --timeline 2>&1 | tee "$OUT/timeline.txt"
 }
 
-# The one-token router logits GEMV (plain.1.512.2560: tuned bn 16, split 10, before it also finished the
-# MoE input's norm) and the attention output projection (block.1.2560.4096: split 4, now also writing the
-# norm's sums of squares) in other shapes, timed inside the graphed step (SPARKCHAT_GEMV_CONFIG).
+# The one-token router logits GEMV (plain.1.512.2560: split 5 since session 28, against its old 10 and
+# 8-row tiles) and the attention output projection (block.1.2560.4096: split 4, against 8) inside the
+# graphed step (SPARKCHAT_GEMV_CONFIG); the router kernel's tests first.
 gemvs() {
     timeout 120 python3 -m pytest -q tests/test_router_kernel.py 2>&1 | tail -3 | tee "$OUT/router-tests.txt"
     timeout 300 python3 benchmarks/profile_step.py --rounds 2 \
-        --switch "SPARKCHAT_GEMV_CONFIG=plain.1.512.2560.split:5,plain.1.512.2560.split:20,plain.1.512.2560.bn:8/plain.1.512.2560.split:5,plain.1.512.2560.bn:8,block.1.2560.4096.split:2,block.1.2560.4096.split:8" \
+        --switch "SPARKCHAT_GEMV_CONFIG=plain.1.512.2560.split:10,plain.1.512.2560.bn:8,block.1.2560.4096.split:8" \
         2>&1 | tee "$OUT/gemvs.txt"
+    timeout 100 python3 benchmarks/profile_step.py --timeline --tokens 4 2>&1 | tee "$OUT/timeline-verify.txt"
+}
+
+# The 4-token verify's output projections (block.4.2560.4096: FMA kernel, split 8; in session 28's H100
+# verify timeline 16.1 us exposed a call, 0.68 ms of 4.61, for 10.5 MB) on the tensor cores, split 4 or 8
+# (each checked equal to the FMA path under the interpreter, add+norm included), timed in the graphed
+# verify; then the verify timeline again.
+verify() {
+    timeout 300 python3 benchmarks/profile_step.py --rounds 2 \
+        --switch "SPARKCHAT_GEMV_CONFIG=block.4.2560.4096.mma:1/block.4.2560.4096.bn:64/block.4.2560.4096.bk:128/block.4.2560.4096.split:4/block.4.2560.4096.row_acc:0,block.4.2560.4096.mma:1/block.4.2560.4096.bn:64/block.4.2560.4096.bk:128/block.4.2560.4096.split:8/block.4.2560.4096.row_acc:0,block.4.2560.4096.mma:1/block.4.2560.4096.bn:32/block.4.2560.4096.bk:128/block.4.2560.4096.split:4/block.4.2560.4096.row_acc:0" \
+        2>&1 | tee "$OUT/verify-oproj.txt"
     timeout 100 python3 benchmarks/profile_step.py --timeline --tokens 4 2>&1 | tee "$OUT/timeline-verify.txt"
 }
 
@@ -145,6 +156,6 @@ load() {  # the checkpoint reader to the GPU: mmap vs plain reads, and the page 
 
 case "${1:-}" in
     wheels) wheels ;;
-    quick|qbench|gemvs|race|first|ab|tests|configs|bench|load) install_wheels; "$1" ;;
-    *) echo "usage: $0 wheels|quick|qbench|gemvs|race|first|ab|tests|configs|bench|load" >&2; exit 2 ;;
+    quick|qbench|gemvs|verify|race|first|ab|tests|configs|bench|load) install_wheels; "$1" ;;
+    *) echo "usage: $0 wheels|quick|qbench|gemvs|verify|race|first|ab|tests|configs|bench|load" >&2; exit 2 ;;
 esac

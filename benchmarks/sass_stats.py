@@ -269,11 +269,14 @@ def moe_vec_stage_ops(T: int, stage: int, arch: int = 90) -> tuple[dict[str, int
 
 def router_sass(arch: int) -> list[str] | None:
     """The whole route_kernel (one token, the Ling shape) as the engine launches it: from the logits
-    GEMV's 10 split-K partials."""
+    GEMV's split-K partials (as many as its tuned config makes)."""
+    from sparkchat.engine.kernels import fp8_gemv as g
     from sparkchat.engine.kernels import router as r
 
     sig = {"logits_ptr": "*fp32", "bias_ptr": "*fp32", "ids_ptr": "*i64", "w_ptr": "*fp32", "scaling": "fp32"}
-    cx = dict(E=E, G=8, TG=4, K=K, KP=8, RENORM=True, T=1, SPLIT=10, PDL=True)
+    cfg = g.gemv_config("plain", 1, E, H)
+    split = g._split_for(H, min(cfg.bk, g._pow2(H)), cfg.split)
+    cx = dict(E=E, G=8, TG=4, K=K, KP=8, RENORM=True, T=1, SPLIT=split, PDL=True)
     return compile_sass(r.route_kernel, sig, cx, r.ROUTE_WARPS, arch)
 
 
