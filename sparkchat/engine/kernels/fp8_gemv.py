@@ -16,7 +16,6 @@ pass for up to 16 tokens.
 from __future__ import annotations
 
 import os
-import dataclasses
 from dataclasses import dataclass, replace
 
 import torch
@@ -26,6 +25,7 @@ import triton.language as tl
 from sparkchat.engine.kernels.counters import arrival_counters
 from sparkchat.engine.kernels.device import interpreting
 from sparkchat.engine.kernels.norm_rows import SCALE_BLOCK, _norm_rows, norm_rows_kernel
+from sparkchat.engine.kernels.overrides import field_overrides
 from sparkchat.engine.kernels.packed_acts import _store_packed
 from sparkchat.engine.kernels.pdl import pdl_args, pdl_wait
 
@@ -538,22 +538,13 @@ def gemv_config_overrides(kind: str, T: int, N: int | None, K: int | None) -> di
     joined by `/` (e.g. `plain.1.512.2560.split:5/plain.1.512.2560.bk:256`, the router logits), for
     timing configs inside the graphed step with profile_step --switch (whose NAME=V1,V2 lists several
     values, hence no commas). "0" or unset: none."""
-    spec = os.environ.get("SPARKCHAT_GEMV_CONFIG", "0")
-    if spec in ("", "0"):
-        return {}
-    types = {f.name: f.type for f in dataclasses.fields(GemvConfig)}
-    out: dict = {}
-    for item in spec.split("/"):
-        shape, _, setting = item.rpartition(".")
-        name, _, value = setting.partition(":")
-        parts = shape.split(".")
-        if (len(parts) != 4 or not all(p.isdigit() for p in parts[1:]) or name not in types
-                or not value.isdigit()):
-            raise ValueError(f"SPARKCHAT_GEMV_CONFIG: {item!r} is not <kind>.<T>.<N>.<K>.<field>:<value> "
-                             f"(fields: {', '.join(types)})")
-        if (parts[0], int(parts[1]), int(parts[2]), int(parts[3])) == (kind, T, N, K):
-            out[name] = bool(int(value)) if types[name] in (bool, "bool") else int(value)
-    return out
+
+    def shape_ok(text: str) -> bool:
+        parts = text.split(".")
+        return len(parts) == 4 and all(p.isdigit() for p in parts[1:])
+
+    return field_overrides("SPARKCHAT_GEMV_CONFIG", GemvConfig, f"{kind}.{T}.{N}.{K}", shape_ok,
+                           "<kind>.<T>.<N>.<K>")
 
 
 def _gemv_config_for(kind: str, T: int, N: int | None = None, K: int | None = None) -> GemvConfig:

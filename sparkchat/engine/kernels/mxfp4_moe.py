@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-import dataclasses
 from dataclasses import dataclass, replace
 
 import torch
@@ -49,6 +48,7 @@ import triton.language as tl
 from sparkchat.engine.kernels.counters import arrival_counters
 from sparkchat.engine.kernels.device import interpreting
 from sparkchat.engine.kernels.norm_rows import _norm_rows
+from sparkchat.engine.kernels.overrides import field_overrides
 from sparkchat.engine.kernels.packed_acts import _HI16, _X_SCALE, _bf16_round, _store_packed
 from sparkchat.engine.kernels.pdl import pdl_args, pdl_wait
 
@@ -994,20 +994,8 @@ def moe_config_overrides(T: int) -> dict:
     """SPARKCHAT_MOE_CONFIG: MoeConfig fields for one window size, e.g. `T1.bkw1:32/T1.warps1:4/T4.bn2:16`
     (`/` between fields, so that profile_step's --switch NAME=V1,V2 can list several), for timing blocks
     in the graphed step, where a config can rank otherwise than alone. "0" or unset: none."""
-    spec = os.environ.get("SPARKCHAT_MOE_CONFIG", "0")
-    if spec in ("", "0"):
-        return {}
-    fields = {f.name: f.type for f in dataclasses.fields(MoeConfig)}
-    out: dict = {}
-    for item in spec.split("/"):
-        window, _, rest = item.partition(".")
-        name, _, value = rest.partition(":")
-        if not window.startswith("T") or not window[1:].isdigit() or name not in fields or not value:
-            raise ValueError(f"SPARKCHAT_MOE_CONFIG: {item!r} is not T<tokens>.<field>:<value> "
-                             f"(fields: {', '.join(fields)})")
-        if int(window[1:]) == T:
-            out[name] = value in ("1", "true", "True") if fields[name] in (bool, "bool") else int(value)
-    return out
+    return field_overrides("SPARKCHAT_MOE_CONFIG", MoeConfig, f"T{T}",
+                           lambda key: key.startswith("T") and key[1:].isdigit(), "T<tokens>")
 
 
 def pack_moe_x(x: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,30 @@
+"""Kernel config fields from an environment variable, for timing configs where they run (the graphed
+step, through benchmarks/profile_step.py --switch NAME=V1,V2): items `<key>.<field>:<value>` joined by
+`/` (profile_step lists values with commas), the key naming the call shape they apply to."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable
+
+
+def field_overrides(variable: str, config_cls: type, key: str, key_ok: Callable[[str], bool],
+                    key_form: str) -> dict:
+    """The fields of dataclass `config_cls` that `variable`'s items give for `key` (ints; 0/1 for bools);
+    {} when it is unset or "0". An item whose key fails `key_ok` (the form `key_form`), whose field is
+    not one of the class's, or whose value is not a number raises ValueError naming the variable."""
+    spec = os.environ.get(variable, "0")
+    if spec in ("", "0"):
+        return {}
+    types = {f.name: f.type for f in dataclasses.fields(config_cls)}
+    out: dict = {}
+    for item in spec.split("/"):
+        item_key, _, setting = item.rpartition(".")
+        name, _, value = setting.partition(":")
+        if not key_ok(item_key) or name not in types or not value.isdigit():
+            raise ValueError(f"{variable}: {item!r} is not {key_form}.<field>:<value> "
+                             f"(fields: {', '.join(types)})")
+        if item_key == key:
+            out[name] = bool(int(value)) if types[name] in (bool, "bool") else int(value)
+    return out
