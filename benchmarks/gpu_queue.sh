@@ -64,11 +64,13 @@ gemvs() {
 
 # The 4-token verify's output projections (block.4.2560.4096: FMA kernel, split 8; in session 28's H100
 # verify timeline 16.1 us exposed a call, 0.68 ms of 4.61, for 10.5 MB) on the tensor cores, split 4 or 8
-# (each checked equal to the FMA path under the interpreter, add+norm included), timed in the graphed
+# (each checked equal to the FMA path under the interpreter, add+norm included); KDA's input projection
+# (block.4.20480.2560, tensor cores, split 2) in one split, without its split-K reduce launch (that
+# timeline: 86 reduces a verify, 2.6 us exposed each), in 64- or 32-row tiles; timed in the graphed
 # verify; then the verify timeline again.
 verify() {
     timeout 300 python3 benchmarks/profile_step.py --rounds 2 \
-        --switch "SPARKCHAT_GEMV_CONFIG=block.4.2560.4096.mma:1/block.4.2560.4096.bn:64/block.4.2560.4096.bk:128/block.4.2560.4096.split:4/block.4.2560.4096.row_acc:0,block.4.2560.4096.mma:1/block.4.2560.4096.bn:64/block.4.2560.4096.bk:128/block.4.2560.4096.split:8/block.4.2560.4096.row_acc:0,block.4.2560.4096.mma:1/block.4.2560.4096.bn:32/block.4.2560.4096.bk:128/block.4.2560.4096.split:4/block.4.2560.4096.row_acc:0" \
+        --switch "SPARKCHAT_GEMV_CONFIG=block.4.2560.4096.mma:1/block.4.2560.4096.bn:64/block.4.2560.4096.bk:128/block.4.2560.4096.split:4/block.4.2560.4096.row_acc:0,block.4.2560.4096.mma:1/block.4.2560.4096.bn:64/block.4.2560.4096.bk:128/block.4.2560.4096.split:8/block.4.2560.4096.row_acc:0,block.4.2560.4096.mma:1/block.4.2560.4096.bn:32/block.4.2560.4096.bk:128/block.4.2560.4096.split:4/block.4.2560.4096.row_acc:0,block.4.20480.2560.split:1,block.4.20480.2560.split:1/block.4.20480.2560.bn:32" \
         2>&1 | tee "$OUT/verify-oproj.txt"
     timeout 100 python3 benchmarks/profile_step.py --timeline --tokens 4 2>&1 | tee "$OUT/timeline-verify.txt"
 }

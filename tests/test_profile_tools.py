@@ -155,7 +155,8 @@ def test_the_gpu_queue_gemv_configs_parse_and_name_real_shapes(monkeypatch):
     queue = (Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_queue.sh").read_text()
     specs = re.findall(r"SPARKCHAT_GEMV_CONFIG=([^\s\"]+)", queue)
     assert specs
-    shapes = [("plain", 1, 512, 2560), ("block", 1, 2560, 4096), ("block", 1, 20480, 2560), ("block", 4, 2560, 4096)]
+    shapes = [("plain", 1, 512, 2560), ("block", 1, 2560, 4096), ("block", 1, 20480, 2560), ("block", 4, 2560, 4096),
+              ("block", 4, 20480, 2560)]
     monkeypatch.delenv("SPARKCHAT_GEMV_CONFIG", raising=False)
     defaults = [gemv_config(*shape) for shape in shapes]
     for value in (v for spec in specs for v in spec.split(",")):
