@@ -160,8 +160,8 @@ def shared_in_stages_mode() -> int:
     """How a MoE layer runs its shared expert in decode windows, from SPARKCHAT_MOE_SHARED: 0 as two
     GEMVs on a side stream (verify windows always do); at one token (ExpertsKernel.FUSED_MAX_TOKENS) 1
     its gate|up GEMV on the side stream, its down rows inside stage 2, 2 (the default) both inside the
-    routed stages, no side stream. Mode 2: H100, session 28, the graphed step 2.552 -> 2.479 ms on top of
-    session 27's defaults (mode 1 left it as it was on the H200). Its answers differ from mode 0's only
+    routed stages, no side stream. Mode 2, session 28, on top of session 27's defaults: the graphed step
+    2.552 -> 2.479 ms on an H100, 2.143 -> 2.080 on an H200 (mode 1 left it as it was on the H200). Its answers differ from mode 0's only
     by roundings: where one is far, as from some saved states, a routing choice was a near tie (MoE layer
     17 of 40 first chose other experts, its 8th and 9th scores 8.4e-5 apart, far below a bf16 ulp), and
     the same with PDL off (docs/benchmarks.md session 28, benchmarks/race_check.py --routes)."""

@@ -17,7 +17,7 @@ Latency-bound (one warp, one token: a chain of dependent steps), so each step is
   longer in the SASS (more instructions, ptxas serializing the picks' compares).
 Handing part of this work, or all of it, to the GEMV's last programs (an arrival counter, the partials
 read back from L2) cut the kernel's instructions but not the step: the H200's graphed step 2.081 ->
-2.108 ms with the scores made there, 2.080 -> 2.10 with the whole top-k there (docs/benchmarks.md
+2.108 ms with the scores made there, 2.082 -> 2.096-2.103 with the whole top-k there (docs/benchmarks.md
 session 28), which also left the shared expert's stage-1 programs reading the norm's output before
 the GEMV writing it had finished (mxfp4_moe._shared_gate_up: two kernels back at least).
 """
