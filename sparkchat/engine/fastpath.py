@@ -161,10 +161,11 @@ def shared_in_stages_mode() -> int:
     GEMVs on a side stream (verify windows always do); at one token (ExpertsKernel.FUSED_MAX_TOKENS) 1
     its gate|up GEMV on the side stream, its down rows inside stage 2, 2 (the default) both inside the
     routed stages, no side stream. Mode 2, session 28, on top of session 27's defaults: the graphed step
-    2.552 -> 2.479 ms on an H100, 2.143 -> 2.080 on an H200 (mode 1 left it as it was on the H200). Its answers differ from mode 0's only
-    by roundings: where one is far, as from some saved states, a routing choice was a near tie (MoE layer
-    17 of 40 first chose other experts, its 8th and 9th scores 8.4e-5 apart, far below a bf16 ulp), and
-    the same with PDL off (docs/benchmarks.md session 28, benchmarks/race_check.py --routes)."""
+    2.552 -> 2.479 ms on an H100, 2.143 -> 2.080 on an H200 (mode 1 left it as it was on the H200). Its
+    answers differ from mode 0's only by roundings: where one is far, as from some saved states, a
+    routing choice was a near tie (MoE layer 17 of 40 first chose other experts, its 8th and 9th scores
+    8.4e-5 apart, far below a bf16 ulp), and the same with PDL off (docs/benchmarks.md session 28,
+    benchmarks/race_check.py --routes)."""
     value = os.environ.get("SPARKCHAT_MOE_SHARED", "2")
     return int(value) if value in ("0", "1", "2") else 0
 
