@@ -431,8 +431,9 @@ def alternate_loop(model, state: ConversationState, name: str | None, rounds: in
             else:
                 os.environ[name] = value
                 label, temperature = f"{name}={value}", 0.0
-            cycle, per_cycle = _loop_cycle(model, state, 1000, 3, True, tokens=160, temperature=temperature)
-            print(f"{label}  MTP loop: {1000 * cycle:.3f} ms a cycle, {per_cycle:.2f} tokens a cycle", flush=True)
+            cycle, per_cycle, gap = _loop_cycle(model, state, 1000, 3, True, tokens=160, temperature=temperature)
+            print(f"{label}  MTP loop: {1000 * cycle:.3f} ms a cycle, {per_cycle:.2f} tokens a cycle, "
+                  f"{1000 * gap:.3f} ms of it between a verify's end and the next draft's start", flush=True)
     model.lm_head.set_draft_rows(None)
 
 

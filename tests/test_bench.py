@@ -72,6 +72,7 @@ def test_bench_command_prints_the_table_as_json(tmp_path, capsys):
     assert out["verify_routing_wrapper_ms"] >= 0
     assert out["loop_cycle_ms"] > 0 and out["loop_tokens_per_cycle"] >= 1
     assert out["loop_tpot_ms"] == pytest.approx(out["loop_cycle_ms"] / out["accept_length"])
+    assert out["loop_gap_ms"] is None  # a GPU's measure: between a verify's end and the next chain's start
     assert main(["bench", "--config", str(cfg_path), "--device", "cpu", "--context", "16", "--iters", "2"]) == 0
     text = capsys.readouterr().out
     assert "projection, not a measurement" in text and "half the experts repeated" in text

@@ -236,7 +236,7 @@ def format_table(r: dict) -> str:
         parts = r["verify_ms"] + r["draft_steps"] * r["draft_step_ms"]
         lines.append(f"the MTP loop as it runs (draft, verify, accept, commit, stream): "
                      f"{r['loop_cycle_ms']:.2f} ms a cycle, {r['loop_tokens_per_cycle']:.2f} tokens a cycle "
-                     f"(the parts above: {parts:.2f} ms); at "
+                     f"(the parts above: {parts:.2f} ms{_gap(r)}); at "
                      f"accept length {r['accept_length']:.2f}: {r['loop_tpot_ms']:.2f} ms a token = "
                      f"{1000 / r['loop_tpot_ms']:.1f} tok/s")
     if r.get("draft_vocab") is not None:
@@ -255,3 +255,9 @@ def format_table(r: dict) -> str:
                  f"(kernel compilation, graph capture; caches {r['triton_cache']}) = launch to first token "
                  f"{r['load_s'] + r['first_step_s']:.1f} s; whole run {r['total_s']:.1f} s")
     return "\n".join(lines)
+
+
+def _gap(r: dict) -> str:
+    """The MTP loop's GPU gap a cycle, where it was measured (CUDA graphs)."""
+    gap = r.get("loop_gap_ms")
+    return "" if gap is None else f"; between a verify's end and the next draft's start on the GPU: {gap:.2f} ms"

@@ -65,6 +65,9 @@ class BenchResult:
     loop_cycle_ms: float | None = None
     loop_tokens_per_cycle: float | None = None
     loop_tpot_ms: float | None = None  # loop_cycle_ms at the MTP row's accept length
+    # of each cycle, the GPU time between a verify's end and the next draft chain's start (CUDA only):
+    # what the host's work between the cycle's sync and the next launches leaves the GPU
+    loop_gap_ms: float | None = None
     accept_length: float | None = None
     accept_length_source: str = ""
     first_step_s: float | None = None  # the first fast decode step: kernel compilation + graph capture
@@ -278,18 +281,20 @@ def run_bench(model: LingModel, *, context: int = 1024, iters: int = 20, draft_s
         say("the MTP loop as it runs")
         if result.draft_vocab is not None:
             head.set_draft_rows(draft_rows if draft_rows is not None else list(range(draft_vocab)))
-        cycle, per_cycle = _loop_cycle(model, state, context, k, use_graphs)
+        cycle, per_cycle, gap = _loop_cycle(model, state, context, k, use_graphs)
         head.set_draft_rows(None)
         result.loop_cycle_ms, result.loop_tokens_per_cycle = 1000 * cycle, per_cycle
+        result.loop_gap_ms = 1000 * gap if model.embed.is_cuda and use_graphs else None
         result.loop_tpot_ms = 1000 * cycle / al
     return result
 
 
 def _loop_cycle(model: LingModel, state: ConversationState, context: int, k: int,
-                use_graphs: bool, tokens: int = 40, temperature: float = 0.0) -> tuple[float, float]:
-    """(seconds a speculative cycle, tokens a cycle) of generate_tokens, greedy (or sampled at
-    `temperature`), after a prompt that fills the context. Run twice: the first run captures the
-    graphs the second one replays."""
+                use_graphs: bool, tokens: int = 40, temperature: float = 0.0) -> tuple[float, float, float]:
+    """(seconds a speculative cycle, tokens a cycle, seconds of each cycle between a verify's end and the
+    next draft chain's start on the GPU) of generate_tokens, greedy (or sampled at `temperature`), after
+    a prompt that fills the context. Run twice: the first run captures the graphs the second one
+    replays."""
     from sparkchat.engine.events import SamplingParams
     from sparkchat.engine.generate import generate_tokens
 
@@ -298,15 +303,16 @@ def _loop_cycle(model: LingModel, state: ConversationState, context: int, k: int
     params = SamplingParams(temperature=temperature, max_tokens=tokens, ignore_eos=True, seed=0)
     for _ in range(2):
         state.reset()
-        stamps, counts = [], []
+        stamps, counts, gaps = [], [], []
         for out in generate_tokens(model, state, prompt, params, set(), mtp=True, draft_steps=k, graphs=graphs):
             stamps.append(time.perf_counter())
             counts.append(len(out.tokens))
+            gaps.append(out.stats.host_gap_s)
         if model.embed.is_cuda:
             torch.cuda.synchronize()
     skip = 3  # the prompt's token and the first two cycles
     cycles = max(1, len(stamps) - 1 - skip)
-    return (stamps[-1] - stamps[skip]) / cycles, sum(counts[skip + 1:]) / cycles
+    return (stamps[-1] - stamps[skip]) / cycles, sum(counts[skip + 1:]) / cycles, (gaps[-1] - gaps[skip]) / cycles
 
 
 def _prefill_time(model: LingModel, n: int, device: torch.device) -> float:

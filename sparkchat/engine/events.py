@@ -94,6 +94,9 @@ class GenerationStats:
     accept_rate_per_position: list[float] = field(default_factory=list)
     draft_s: float = 0.0
     verify_s: float = 0.0
+    # queued MTP cycles on a GPU: the time between a verify's end and the next draft chain's start, summed
+    # (the host's acceptance, KDA commit, the chain's inputs and launch; Decoder.host_gap)
+    host_gap_s: float = 0.0
     verify_decode_ratio: float | None = None
     switches: dict[str, Any] = field(default_factory=dict)
     peak_memory_bytes: int = 0

@@ -59,6 +59,10 @@ class Decoder:
         self.graphs = graphs  # a StepGraphs, or None for eager execution
         self._marks: list[torch.cuda.Event] | None = None  # draft_and_verify's events and draft buffer
         self._drafts: torch.Tensor | None = None
+        # each queued verify's end (two events, taken in turn) and the one the current cycle started after
+        self._ends: list[torch.cuda.Event] = []
+        self._last_end: torch.cuda.Event | None = None
+        self._gap_from: torch.cuda.Event | None = None
 
     # -- the target model ---------------------------------------------------------------------
     def forward(self, ids: list[int], keep_steps: bool = False, tail: torch.Tensor | None = None,
@@ -69,6 +73,7 @@ class Decoder:
         every prompt token would be 2.6 GB of fp32 logits per 4K tokens (and the head's compute)."""
         start = self.state.length
         n = len(ids) + (0 if tail is None else tail.shape[0])
+        self._last_end = None  # only a queued verify (_verify_queued) leaves one
         if self.graphs is not None and n <= self.GRAPH_MAX_TOKENS:
             hidden, logits, kept = self.graphs.replay("target", ids, start, keep_steps, tail=tail)
             if self.state.hidden.numel():
@@ -147,11 +152,12 @@ class Decoder:
         """The draft chain with the verify to be queued behind it, no host sync: (the drafts in this
         decoder's own buffer, their distributions copied out when sampled, the host time)."""
         if self._marks is None:
-            self._marks = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if self.device.type == "cuda" else []
+            cuda = self.device.type == "cuda"
+            self._marks = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if cuda else []
+            self._ends = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if cuda else []
             self._drafts = torch.empty(self.GRAPH_MAX_TOKENS, dtype=torch.long, device=self.device)
         t0 = time.perf_counter()
-        for mark in self._marks[:1]:
-            mark.record()
+        self._chain_starts()
         chain = self.draft_on_device(pending, k, params, gen)
         # copied out of the chain's outputs first: a graph captured after the verify's may hold them
         # where the verify keeps its scratch (the pool is shared)
@@ -165,12 +171,35 @@ class Decoder:
         """The chain's GPU time, queueing included (no sync between draft and verify), after a sync."""
         return self._marks[0].elapsed_time(self._marks[1]) / 1000 if self._marks else host
 
+    def _chain_starts(self) -> None:
+        """Mark a queued draft chain's start (its gap counts from the last queued verify's end, if any)."""
+        self._gap_from = self._last_end
+        for mark in self._marks[:1]:
+            mark.record()
+
+    def _verify_queued(self) -> None:
+        """Mark the end of the verify just queued: the next queued cycle measures its gap from here."""
+        if self._ends:
+            self._last_end = self._ends[0]
+            self._ends.reverse()  # the next verify records the other event: this one stays for the gap
+            self._last_end.record()
+
+    def host_gap(self) -> float:
+        """After a queued cycle's sync: seconds on the GPU between the previous queued verify's end and
+        this cycle's draft chain's start — the acceptance, the KDA commit, the chain's inputs and its
+        launch, all queued by the host after it had waited for that verify (0 off a GPU, or when the
+        cycle before was not a queued one)."""
+        if self._gap_from is None or not self._marks:
+            return 0.0
+        return self._gap_from.elapsed_time(self._marks[0]) / 1000
+
     def draft_and_verify(self, pending: int, k: int) -> tuple[list[int], list[int], dict, float]:
         """A greedy speculative step with one host sync (chain_ok(k) must hold): the draft chain, then the
         verify reading the drafts on the device, queued right behind it. Returns (the k drafts, the
         target's k+1 greedy picks, the verify's kept KDA steps, the chain's share of the time in s)."""
         drafts, _, host = self._queued_chain(pending, k, None, None)
         _, logits, kept = self.forward([pending], keep_steps=True, tail=drafts)
+        self._verify_queued()
         both = torch.cat([drafts, logits.argmax(-1)]).tolist()
         return both[:k], both[k:], kept, self.chain_time(host)
 
@@ -182,6 +211,7 @@ class Decoder:
         time chain_time() turns into the chain's share once the caller has synced)."""
         drafts, q, host = self._queued_chain(pending, k, params, gen)
         _, logits, kept = self.forward([pending], keep_steps=True, tail=drafts)
+        self._verify_queued()
         return drafts, q, logits, kept, host
 
     def draft(self, pending: int, k: int, params: SamplingParams,
@@ -302,6 +332,7 @@ def generate_tokens(model: LingModel, state: ConversationState, new_ids: list[in
             if greedy_chain:
                 drafts, target, kept, drafting = dec.draft_and_verify(pending, k)
                 st.draft_s += drafting
+                st.host_gap_s += dec.host_gap()
                 t_v = t_d + drafting  # verify_s (below) takes the rest of the cycle
             elif queued:
                 on_device, q, logits, kept, host = dec.sample_and_verify(pending, k, params, gen)
@@ -310,6 +341,7 @@ def generate_tokens(model: LingModel, state: ConversationState, new_ids: list[in
                 *drafts, accepted, nxt = torch.cat([on_device, decided]).tolist()  # the cycle's one wait
                 drafting = dec.chain_time(host)
                 st.draft_s += drafting
+                st.host_gap_s += dec.host_gap()
                 t_v = t_d + drafting
             else:
                 drafts, q = dec.draft(pending, k, params, gen)
