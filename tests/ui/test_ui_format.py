@@ -96,3 +96,15 @@ def test_format_bytes_and_title():
     assert title_from("\n  How do I sort?\nmore") == "How do I sort?"
     assert title_from("x" * 100, width=10) == "x" * 9 + "…"
     assert title_from("   ") == "New chat"
+
+
+def test_the_bench_footnote_gives_the_loop_gap_where_a_gpu_measured_it():
+    from dataclasses import replace
+
+    from sparkchat.engine.bench import BenchResult
+    from sparkchat.ui.screens.bench import BenchScreen
+
+    r = BenchResult("NVIDIA H200", 1024, 4350.0, True, [], accept_length=2.68, loop_cycle_ms=4.85,
+                    loop_tpot_ms=1.81)
+    assert "verify end → next draft" not in BenchScreen._footnote(None, r)  # off a GPU: not measured
+    assert "verify end → next draft on the GPU 0.31 ms" in BenchScreen._footnote(None, replace(r, loop_gap_ms=0.31))

@@ -515,7 +515,9 @@ class BenchScreen(Screen[None]):
             if r.loop_cycle_ms is not None:
                 lines.append(f"the MTP loop as it runs (accept, commit, stream included): "
                              f"{number(r.loop_cycle_ms)} ms a cycle → {number(r.loop_tpot_ms)} ms a token at "
-                             f"accept length {r.accept_length:.2f}")
+                             f"accept length {r.accept_length:.2f}"
+                             + ("" if r.loop_gap_ms is None else
+                                f" · verify end → next draft on the GPU {number(r.loop_gap_ms)} ms"))
             first = ""
             if r.first_step_s is not None:
                 first = f" · first fast step {number(r.first_step_s)} s"
