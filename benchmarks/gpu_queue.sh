@@ -2,7 +2,7 @@
 # The GPU runs waiting for a development GPU, as named batches, so a lent machine starts on them at once.
 #
 #   bash benchmarks/gpu_queue.sh wheels        # here (with package registries): the wheels the GPU box lacks
-#   bash benchmarks/gpu_queue.sh quick|qbench|gemvs|verify|race|first|ab|tests|configs|bench|load   # on the GPU box, logs under $OUT (default ./gpu-out)
+#   bash benchmarks/gpu_queue.sh quick|qbench|gemvs|verify|pipeline|race|first|ab|tests|configs|bench|load   # on the GPU box, logs under $OUT (default ./gpu-out)
 #
 # The GPU box has torch, triton and transformers, but not this project's other dependencies, nor the
 # transformers the tiny test models need (5.24), and it cannot fetch: `wheels` downloads them into .whl2/
@@ -75,6 +75,17 @@ verify() {
         --switch "SPARKCHAT_GEMV_CONFIG=block.4.2560.4096.mma:1/block.4.2560.4096.bn:64/block.4.2560.4096.bk:128/block.4.2560.4096.split:4/block.4.2560.4096.row_acc:0,block.4.2560.4096.mma:1/block.4.2560.4096.bn:64/block.4.2560.4096.bk:128/block.4.2560.4096.split:8/block.4.2560.4096.row_acc:0,block.4.2560.4096.mma:1/block.4.2560.4096.bn:32/block.4.2560.4096.bk:128/block.4.2560.4096.split:4/block.4.2560.4096.row_acc:0,block.4.20480.2560.split:1,block.4.20480.2560.split:1/block.4.20480.2560.bn:32" \
         2>&1 | tee "$OUT/verify-oproj.txt"
     timeout 100 python3 benchmarks/profile_step.py --timeline --tokens 4 2>&1 | tee "$OUT/timeline-verify.txt"
+}
+
+# The pipelined greedy MTP loop (engine/pipeline.py: each cycle queued before the host reads the one
+# before): the KDA commit reading its position on the device, the GPU engine tests (pipelined against
+# synced; lossless), then the real loop with it on and off, and the loop's trace with it on.
+pipeline() {
+    tiny_models || return 1
+    timeout 240 python3 -m pytest -q -x tests/test_kda_commit.py tests/test_gpu_engine.py \
+        -k "commit or pipelined or queued or lossless or fast_path_matches" 2>&1 | tee "$OUT/engine.txt" | tail -5
+    timeout 200 python3 benchmarks/profile_step.py --loop-switch SPARKCHAT_PIPELINE 2>&1 | tee "$OUT/loop-pipeline.txt"
+    timeout 120 python3 benchmarks/loop_trace.py --cycles 30 --show 2 2>&1 | tee "$OUT/loop-trace.txt"
 }
 
 # `sparkchat bench` with the defaults (the headline row and the Spark projection) and the GPU engine
@@ -160,6 +171,6 @@ load() {  # the checkpoint reader to the GPU: mmap vs plain reads, and the page 
 
 case "${1:-}" in
     wheels) wheels ;;
-    quick|qbench|gemvs|verify|race|first|ab|tests|configs|bench|load) install_wheels; "$1" ;;
-    *) echo "usage: $0 wheels|quick|qbench|gemvs|verify|race|first|ab|tests|configs|bench|load" >&2; exit 2 ;;
+    quick|qbench|gemvs|verify|pipeline|race|first|ab|tests|configs|bench|load) install_wheels; "$1" ;;
+    *) echo "usage: $0 wheels|quick|qbench|gemvs|verify|pipeline|race|first|ab|tests|configs|bench|load" >&2; exit 2 ;;
 esac

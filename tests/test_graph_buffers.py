@@ -63,8 +63,8 @@ class SpoilingGraphs(G.StepGraphs):
         self.graphs = {}
         self.spoil = spoil  # False: replays leave other graphs' outputs alone (a reference to compare with)
 
-    def _capture(self, kind, T, bucket, keep_steps, start, chain=0, sampling=None):
-        c = self._inputs(kind, T, start, chain, sampling)
+    def _capture(self, kind, T, bucket, keep_steps, start, chain=0, sampling=None, pick=False):
+        c = G._step_inputs(self.model, kind, T, start, chain, sampling, pick=pick)
         saved = [(s.conv.clone(), s.recurrent.clone()) for s in self.state.kda.values()]
         c.out = self._run(kind, c, bucket, keep_steps, chain, sampling)  # the capture runs the step, as on a GPU
         for s, (conv, rec) in zip(self.state.kda.values(), saved):
@@ -74,8 +74,8 @@ class SpoilingGraphs(G.StepGraphs):
         return c
 
 
-@pytest.mark.parametrize("queued", ["0", "1"])
-def test_speculative_loop_reads_graph_outputs_before_the_next_replay(agree_dir, monkeypatch, queued):
+@pytest.mark.parametrize("queued,pipelined", [("0", "0"), ("1", "0"), ("1", "1")])
+def test_speculative_loop_reads_graph_outputs_before_the_next_replay(agree_dir, monkeypatch, queued, pipelined):
     from sparkchat.engine.config import ModelConfig
     from sparkchat.engine.loader import load_model
     from sparkchat.engine.state import ConversationState
@@ -83,6 +83,7 @@ def test_speculative_loop_reads_graph_outputs_before_the_next_replay(agree_dir, 
     cfg = ModelConfig.from_dir(agree_dir)
     model = load_model(agree_dir, cfg, "cpu", torch.float32, 256)
     monkeypatch.setenv("SPARKCHAT_QUEUED_VERIFY", queued)
+    monkeypatch.setenv("SPARKCHAT_PIPELINE", pipelined)  # 1: each cycle queued before the last is read
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
 
     def run(graphs: bool, mtp: bool) -> tuple[list[int], float | None]:

@@ -23,6 +23,7 @@ import torch
 from sparkchat.engine.events import GenerationStats, SamplingParams
 from sparkchat.engine.model import LingModel
 from sparkchat.engine.nn.mla import Span
+from sparkchat.engine.pipeline import GreedyPipeline
 from sparkchat.engine.sampling import (make_generator, probabilities, sample, speculative_accept,
                                        speculative_accept_on_device)
 from sparkchat.engine.state import ConversationState
@@ -41,6 +42,21 @@ class _SpecCounters:
     accepted: int = 0  # tokens emitted by verify steps (accepted drafts + the target's own)
     last: int = 0
     per_position: list[int] = field(default_factory=list)  # drafts accepted at each position
+
+    def count(self, accepted: int) -> None:
+        """One verify that accepted `accepted` drafts (and emitted one token more)."""
+        self.steps += 1
+        self.last = accepted + 1
+        self.accepted += accepted + 1
+        for i in range(accepted):
+            self.per_position[i] += 1
+
+
+def _pipelined(graphs) -> bool:
+    """Whether the greedy MTP loop runs pipelined: with CUDA graphs, unless SPARKCHAT_PIPELINE=0;
+    SPARKCHAT_PIPELINE=1 runs it without graphs too (eagerly: the tests' twin of the graphed loop)."""
+    forced = os.environ.get("SPARKCHAT_PIPELINE")
+    return forced != "0" if graphs is not None else forced == "1"
 
 
 def _sync(device: torch.device) -> None:
@@ -305,72 +321,90 @@ def generate_tokens(model: LingModel, state: ConversationState, new_ids: list[in
     # sample_and_verify): one host wait a cycle, not two (H200, greedy: 1.4% shorter cycles,
     # docs/benchmarks.md session 14)
     queued_verify = os.environ.get("SPARKCHAT_QUEUED_VERIFY", "1") != "0"
+    # greedy: each cycle queued before the host reads the one before it (engine/pipeline.py)
+    pipe = GreedyPipeline(model, state, graphs, draft_steps) \
+        if use_mtp and params.temperature <= 0 and _pipelined(graphs) else None
+    inflight = before = None  # the queued cycle the host has not read; the pipeline's cycle read last
     first = emit([pending])
     yield first
     if first.finish_reason:
         return
-    while True:
-        if cancel is not None and cancel.is_set():
-            yield StepOutput([], "cancelled", st)
-            return
-        n = state.length
-        k = draft_steps if use_mtp else 0
-        if n + 1 >= state.max_context:
-            yield StepOutput([], "length", st)
-            return
-        if use_mtp and n + k + 1 > state.max_context:
-            k = 0
-        if k == 0:
-            _, logits, _ = dec.forward([pending])
-            dec.commit([pending])
-            pending = int(sample(logits, params, gen)[0])
-            out = emit([pending])
-        else:
-            t_d = time.perf_counter()
-            queued = queued_verify and dec.chain_ok(k)
-            greedy_chain = queued and params.temperature <= 0
-            if greedy_chain:
-                drafts, target, kept, drafting = dec.draft_and_verify(pending, k)
+    try:
+        while True:
+            if cancel is not None and cancel.is_set():
+                yield StepOutput([], "cancelled", st)
+                return
+            n = state.length
+            k = draft_steps if use_mtp else 0
+            if n + 1 >= state.max_context:
+                yield StepOutput([], "length", st)
+                return
+            if use_mtp and n + k + 1 > state.max_context:
+                k = 0
+            if k and pipe is not None and (inflight is not None or graphs is None or dec.chain_ok(k)):
+                cycle = inflight or pipe.first(pending)
+                inflight = pipe.next(cycle) if pipe.fits() else None  # queued before `cycle` is read
+                drafts, accepted, nxt = pipe.collect(cycle, next_queued=inflight is not None)
+                drafting, verifying, gap = pipe.timings(cycle, before)
+                before = cycle
                 st.draft_s += drafting
-                st.host_gap_s += dec.host_gap()
-                t_v = t_d + drafting  # verify_s (below) takes the rest of the cycle
-            elif queued:
-                on_device, q, logits, kept, host = dec.sample_and_verify(pending, k, params, gen)
-                p = probabilities(logits, params)
-                decided = speculative_accept_on_device(p, q, on_device, gen)
-                *drafts, accepted, nxt = torch.cat([on_device, decided]).tolist()  # the cycle's one wait
-                drafting = dec.chain_time(host)
-                st.draft_s += drafting
-                st.host_gap_s += dec.host_gap()
-                t_v = t_d + drafting
+                st.verify_s += verifying
+                st.host_gap_s += gap
+                dec.commit([pending] + drafts[:accepted])
+                spec.count(accepted)
+                pending = nxt
+                out = emit(drafts[:accepted] + [nxt])
+            elif k == 0:
+                _, logits, _ = dec.forward([pending])
+                dec.commit([pending])
+                pending = int(sample(logits, params, gen)[0])
+                out = emit([pending])
             else:
-                drafts, q = dec.draft(pending, k, params, gen)
-                _sync(device)
-                t_v = time.perf_counter()
-                st.draft_s += t_v - t_d
-                hidden, logits, kept = dec.forward([pending] + drafts, keep_steps=True)
-            if params.temperature > 0 and not queued:
-                p = probabilities(logits, params)
-                accepted, nxt = speculative_accept(p, q, torch.tensor(drafts, device=device), gen)
-            elif params.temperature <= 0:
-                if not greedy_chain:
-                    target = logits.argmax(-1).tolist()
-                accepted = 0
-                while accepted < k and drafts[accepted] == target[accepted]:
-                    accepted += 1
-                nxt = target[accepted]
-            # commit positions pending, d_1..d_accepted; drop the rest. No sync after it: the GPU
-            # advances the KDA states while the host gets the next draft ready (stream order keeps them in turn)
-            state.commit_kda(kept, accepted)
-            dec.commit([pending] + drafts[:accepted])
-            st.verify_s += time.perf_counter() - t_v
-            spec.steps += 1
-            spec.last = accepted + 1
-            spec.accepted += accepted + 1
-            for i in range(accepted):
-                spec.per_position[i] += 1
-            pending = nxt
-            out = emit(drafts[:accepted] + [nxt])
-        yield out
-        if out.finish_reason:
-            return
+                before = None
+                t_d = time.perf_counter()
+                queued = queued_verify and dec.chain_ok(k)
+                greedy_chain = queued and params.temperature <= 0
+                if greedy_chain:
+                    drafts, target, kept, drafting = dec.draft_and_verify(pending, k)
+                    st.draft_s += drafting
+                    st.host_gap_s += dec.host_gap()
+                    t_v = t_d + drafting  # verify_s (below) takes the rest of the cycle
+                elif queued:
+                    on_device, q, logits, kept, host = dec.sample_and_verify(pending, k, params, gen)
+                    p = probabilities(logits, params)
+                    decided = speculative_accept_on_device(p, q, on_device, gen)
+                    *drafts, accepted, nxt = torch.cat([on_device, decided]).tolist()  # the cycle's one wait
+                    drafting = dec.chain_time(host)
+                    st.draft_s += drafting
+                    st.host_gap_s += dec.host_gap()
+                    t_v = t_d + drafting
+                else:
+                    drafts, q = dec.draft(pending, k, params, gen)
+                    _sync(device)
+                    t_v = time.perf_counter()
+                    st.draft_s += t_v - t_d
+                    hidden, logits, kept = dec.forward([pending] + drafts, keep_steps=True)
+                if params.temperature > 0 and not queued:
+                    p = probabilities(logits, params)
+                    accepted, nxt = speculative_accept(p, q, torch.tensor(drafts, device=device), gen)
+                elif params.temperature <= 0:
+                    if not greedy_chain:
+                        target = logits.argmax(-1).tolist()
+                    accepted = 0
+                    while accepted < k and drafts[accepted] == target[accepted]:
+                        accepted += 1
+                    nxt = target[accepted]
+                # commit positions pending, d_1..d_accepted; drop the rest. No sync after it: the GPU
+                # advances the KDA states while the host gets the next draft ready (stream order keeps them in turn)
+                state.commit_kda(kept, accepted)
+                dec.commit([pending] + drafts[:accepted])
+                st.verify_s += time.perf_counter() - t_v
+                spec.count(accepted)
+                pending = nxt
+                out = emit(drafts[:accepted] + [nxt])
+            yield out
+            if out.finish_reason:
+                return
+    finally:
+        if inflight is not None:  # the answer ended with a cycle still queued: nothing of it is kept
+            pipe.drop(inflight)

@@ -43,6 +43,68 @@ class _Captured:
     hidden_in: torch.Tensor | None
     out: tuple[Any, ...]
     noise: torch.Tensor | None = None  # a sampled chain's uniform draws [k, draft rows], refilled per replay
+    pick: torch.Tensor | None = None  # int64 [1]: the catch-up slot a chain drafts from (None: its last)
+    how: tuple[Any, ...] = ()  # (kind, bucket, keep_steps, chain, sampling): what run_step runs
+
+
+def run_step(m: LingModel, state: ConversationState, kind: str, c: _Captured, bucket: int | tuple[int, ...],
+             keep_steps: bool, chain: int = 0, sampling: SamplingParams | None = None) -> tuple[Any, ...]:
+    """One step over c's input buffers (what a graph captures; run as is, the eager twin of its replay);
+    a draft chain takes a bucket per draft (its catch-up's first), as replays step by
+    step would: attention's splits follow the bucket, so the sums' order does too. A sampled chain
+    (`sampling`) draws each draft from its distribution and returns those too."""
+    if kind == "target":
+        hidden, kept = m(c.ids, 0, state, keep_steps=keep_steps, span=Span(c.pos, bucket))
+        return hidden, m.lm_head(hidden), kept
+    T = c.ids.shape[0]
+    buckets = bucket if isinstance(bucket, tuple) else (bucket,)
+    with torch.inference_mode():
+        h = m.mtp(m.embed_tokens(c.ids), c.hidden_in, Span(c.pos[:T], buckets[0]), state.mtp, m.rotary)
+        if kind == "draft":
+            return h, m.draft_logits(h[-1:])  # a catch-up over several slots drafts from its last only
+        # a catch-up over every slot a verify may have accepted drafts from the one `pick` names
+        h = h[-1:] if c.pick is None else h.index_select(0, c.pick)
+        rows = m.lm_head.draft_ids  # the truncated draft head's vocabulary ids, or None
+        tokens, qs = [], []
+        for j in range(chain):
+            if j:
+                h = m.mtp(m.embed_tokens(tokens[-1]), h, Span(c.pos[T + j - 1:T + j], buckets[j]),
+                          state.mtp, m.rotary)
+            if sampling is None:
+                best = m.lm_head.argmax(h, draft=True)  # as Decoder.draft picks a greedy token
+            else:
+                qs.append(probabilities(m.draft_logits(h)[0], sampling))
+                best = race_draw(qs[-1], c.noise[j]).view(1)
+            # a gather, not rows[best]: indexing by a 0-d tensor reads it on the host (no capture)
+            tokens.append(best if rows is None else rows.index_select(0, best))
+        return (torch.cat(tokens),) if sampling is None else (torch.cat(tokens), torch.stack(qs))
+
+
+
+def _step_inputs(model: LingModel, kind: str, T: int, start: int, chain: int = 0,
+                 sampling: SamplingParams | None = None, graph: Any = None, pick: bool = False) -> _Captured:
+    """A step's input buffers (ids, positions, hidden in, a sampled chain's noise, the slot a chain
+    drafts from), outputs to come."""
+    H, device = model.cfg.hidden_size, model.embed.device
+    # Capture runs at the step's own positions: the cache rows it writes there are rewritten by the
+    # real step right after (at position 0 it would clobber the conversation's first row).
+    slots = T + max(chain - 1, 0)  # a chain's later steps sit one position after another
+    c = _Captured(graph, torch.zeros(T, dtype=torch.long, device=device),
+                  torch.arange(start, start + slots, dtype=torch.long, device=device),
+                  torch.zeros(T, H, dtype=model.embed.dtype, device=device) if kind != "target" else None,
+                  ())
+    if sampling is not None:
+        rows = model.lm_head.draft_ids
+        n = model.cfg.vocab_size if rows is None else rows.numel()
+        c.noise = torch.full((chain, n), 0.5, device=device)
+    if pick:
+        c.pick = torch.zeros(1, dtype=torch.long, device=device)
+    return c
+
+
+def _key(kind: str, T: int, bucket: int | tuple[int, ...], keep_steps: bool, chain: int, pick: bool) -> tuple:
+    # a target step's key is replay()'s own: the same graph, its buffers filled on the device instead
+    return (kind, T, bucket, keep_steps) if kind == "target" else ("at", kind, T, bucket, chain, pick)
 
 
 class StepGraphs:
@@ -60,55 +122,12 @@ class StepGraphs:
 
     def _run(self, kind: str, c: _Captured, bucket: int | tuple[int, ...], keep_steps: bool,
              chain: int = 0, sampling: SamplingParams | None = None) -> tuple[Any, ...]:
-        """One step; a draft chain takes a bucket per draft (its catch-up's first), as replays step by
-        step would: attention's splits follow the bucket, so the sums' order does too. A sampled chain
-        (`sampling`) draws each draft from its distribution and returns those too."""
-        m = self.model
-        if kind == "target":
-            hidden, kept = m(c.ids, 0, self.state, keep_steps=keep_steps, span=Span(c.pos, bucket))
-            return hidden, m.lm_head(hidden), kept
-        T = c.ids.shape[0]
-        buckets = bucket if isinstance(bucket, tuple) else (bucket,)
-        with torch.inference_mode():
-            h = m.mtp(m.embed_tokens(c.ids), c.hidden_in, Span(c.pos[:T], buckets[0]), self.state.mtp, m.rotary)
-            if kind == "draft":
-                return h, m.draft_logits(h[-1:])  # a catch-up over several slots drafts from its last only
-            h = h[-1:]
-            rows = m.lm_head.draft_ids  # the truncated draft head's vocabulary ids, or None
-            tokens, qs = [], []
-            for j in range(chain):
-                if j:
-                    h = m.mtp(m.embed_tokens(tokens[-1]), h, Span(c.pos[T + j - 1:T + j], buckets[j]),
-                              self.state.mtp, m.rotary)
-                if sampling is None:
-                    best = m.lm_head.argmax(h, draft=True)  # as Decoder.draft picks a greedy token
-                else:
-                    qs.append(probabilities(m.draft_logits(h)[0], sampling))
-                    best = race_draw(qs[-1], c.noise[j]).view(1)
-                # a gather, not rows[best]: indexing by a 0-d tensor reads it on the host (no capture)
-                tokens.append(best if rows is None else rows.index_select(0, best))
-            return (torch.cat(tokens),) if sampling is None else (torch.cat(tokens), torch.stack(qs))
-
-    def _inputs(self, kind: str, T: int, start: int, chain: int = 0, sampling: SamplingParams | None = None,
-                graph: Any = None) -> _Captured:
-        """A step's input buffers (ids, positions, hidden in, a sampled chain's noise), outputs to come."""
-        H = self.model.cfg.hidden_size
-        # Capture runs at the step's own positions: the cache rows it writes there are rewritten by the
-        # real step right after (at position 0 it would clobber the conversation's first row).
-        slots = T + max(chain - 1, 0)  # a chain's later steps sit one position after another
-        c = _Captured(graph, torch.zeros(T, dtype=torch.long, device=self.device),
-                      torch.arange(start, start + slots, dtype=torch.long, device=self.device),
-                      torch.zeros(T, H, dtype=self.model.embed.dtype, device=self.device) if kind != "target" else None,
-                      ())
-        if sampling is not None:
-            rows = self.model.lm_head.draft_ids
-            n = self.model.cfg.vocab_size if rows is None else rows.numel()
-            c.noise = torch.full((chain, n), 0.5, device=self.device)
-        return c
+        return run_step(self.model, self.state, kind, c, bucket, keep_steps, chain, sampling)
 
     def _capture(self, kind: str, T: int, bucket: int | tuple[int, ...], keep_steps: bool, start: int,
-                 chain: int = 0, sampling: SamplingParams | None = None) -> _Captured:
-        c = self._inputs(kind, T, start, chain, sampling, torch.cuda.CUDAGraph())
+                 chain: int = 0, sampling: SamplingParams | None = None, pick: bool = False) -> _Captured:
+        c = _step_inputs(self.model, kind, T, start, chain, sampling, torch.cuda.CUDAGraph(), pick)
+        c.how = (kind, bucket, keep_steps, chain, sampling)
         saved = [(s.conv.clone(), s.recurrent.clone()) for s in self.state.kda.values()]
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -168,3 +187,42 @@ class StepGraphs:
             c.noise.uniform_(generator=generator)
         c.graph.replay()
         return c.out
+
+    def buffers(self, kind: str, T: int, bucket: int | tuple[int, ...], keep_steps: bool, start: int,
+                chain: int = 0, pick: bool = False) -> _Captured:
+        """A step's graph (captured the first time, at positions from `start`) for a caller that fills
+        its input buffers on the device (ids, pos, hidden_in, pick), with no host copy, then launch()es
+        it: the pipelined MTP loop queues a cycle before the host knows what the last one accepted."""
+        key = _key(kind, T, bucket, keep_steps, chain, pick)
+        c = self.graphs.get(key)
+        if c is None:
+            c = self.graphs[key] = self._capture(kind, T, bucket, keep_steps, start, chain=chain, pick=pick)
+        return c
+
+    def launch(self, c: _Captured) -> tuple[Any, ...]:
+        """Replay a step whose buffers the caller filled; its outputs (the graph's own buffers)."""
+        c.graph.replay()
+        return c.out
+
+
+class EagerSteps:
+    """StepGraphs' buffers() and launch() without graphs: each launch runs the step eagerly over the
+    same buffers (run_step). Off a GPU the pipelined MTP loop runs on it, and it is the twin the GPU's
+    graphs are held to."""
+
+    def __init__(self, model: LingModel, state: ConversationState) -> None:
+        self.model, self.state = model, state
+        self._buffers: dict[tuple, _Captured] = {}
+
+    def buffers(self, kind: str, T: int, bucket: int | tuple[int, ...], keep_steps: bool, start: int,
+                chain: int = 0, pick: bool = False) -> _Captured:
+        key = _key(kind, T, bucket, keep_steps, chain, pick)
+        c = self._buffers.get(key)
+        if c is None:
+            c = self._buffers[key] = _step_inputs(self.model, kind, T, start, chain, pick=pick)
+            c.how = (kind, bucket, keep_steps, chain, None)
+        return c
+
+    def launch(self, c: _Captured) -> tuple[Any, ...]:
+        kind, bucket, keep_steps, chain, sampling = c.how
+        return run_step(self.model, self.state, kind, c, bucket, keep_steps, chain, sampling)

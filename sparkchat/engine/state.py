@@ -75,12 +75,14 @@ class ConversationState:
         self.token_ids = []
         self.mtp_length = 0
 
-    def commit_kda(self, kept: dict[int, KDASteps], last: int) -> None:
+    def commit_kda(self, kept: dict[int, KDASteps], last: int | torch.Tensor) -> None:
         """Right after a multi-token step with kept steps (which left every recurrent state as it found
         it), set every KDA layer to its state right after new position `last` (0-based within the step):
         the delta rule run from the untouched state over the kept inputs of positions 0 … last, and the
         conv state made of the K-1 inputs that end there. On CUDA one kernel commits every layer
-        (kernels/kda_commit.py; the loop below is its twin; SPARKCHAT_COMMIT_KERNEL=0 keeps the loop)."""
+        (kernels/kda_commit.py; the loop below is its twin; SPARKCHAT_COMMIT_KERNEL=0 keeps the loop).
+        `last` may be a one-element int64 tensor the GPU's acceptance wrote: the kernel reads it there.
+        last = -1 undoes the step: the conv states as it found them (it left the recurrent ones alone)."""
         if not kept:
             return
         if next(iter(self.kda.values())).recurrent.is_cuda and os.environ.get("SPARKCHAT_COMMIT_KERNEL", "1") != "0":
@@ -88,6 +90,7 @@ class ConversationState:
 
             kda_commit([(self.kda[i].recurrent, s.inputs, self.kda[i].conv, s.window) for i, s in kept.items()], last)
             return
+        last = int(last)  # the loop's twin needs it on the host
         for i, steps in kept.items():
             s = self.kda[i]
             k_1 = s.conv.shape[0]

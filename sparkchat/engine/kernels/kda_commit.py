@@ -29,9 +29,12 @@ _MAX_PLANS = 64
 
 @triton.jit(do_not_specialize=["last"])  # one compiled kernel for every `last`
 def kda_commit_kernel(table_ptr, last, T: tl.constexpr, H: tl.constexpr, DH: tl.constexpr, NB: tl.constexpr,
-                      CONV: tl.constexpr, ROW: tl.constexpr, BLOCK: tl.constexpr):
+                      CONV: tl.constexpr, ROW: tl.constexpr, BLOCK: tl.constexpr, LAST_ON_DEVICE: tl.constexpr):
     """table row: recurrent [H, DH, DH] fp32, inputs [T, H, 4, DH] fp32, conv state, conv window.
-    CONV, ROW: int32 words of the conv state and of one conv window row."""
+    CONV, ROW: int32 words of the conv state and of one conv window row. LAST_ON_DEVICE: `last` points
+    to it (int64), as the GPU's own acceptance left it: the host queues the commit before it knows."""
+    if LAST_ON_DEVICE:
+        last = tl.load(last).to(tl.int32)
     layer = tl.program_id(0)
     b = tl.program_id(1)
     row = table_ptr + layer * 4
@@ -74,12 +77,14 @@ class _Plan:
     row: int  # of one conv window row
     positions: int  # the step's T
 
-    def launch(self, last: int) -> None:
-        assert 0 <= last < self.positions
+    def launch(self, last: int | torch.Tensor) -> None:
+        on_device = isinstance(last, torch.Tensor)
+        assert (last.numel() == 1 and last.dtype == torch.int64) if on_device else -1 <= last < self.positions
         nb, warps = LAUNCH
         grid = (self.table.shape[0], self.heads * nb + triton.cdiv(self.conv, BLOCK))
         kda_commit_kernel[grid](self.table, last, T=self.positions, H=self.heads, DH=self.head_dim, NB=nb,
-                                CONV=self.conv, ROW=self.row, BLOCK=BLOCK, num_warps=warps)
+                                CONV=self.conv, ROW=self.row, BLOCK=BLOCK, LAST_ON_DEVICE=on_device,
+                                num_warps=warps)
 
 
 def _plan(layers: list[tuple[torch.Tensor, ...]]) -> _Plan:
@@ -96,9 +101,13 @@ def _plan(layers: list[tuple[torch.Tensor, ...]]) -> _Plan:
     return _Plan(table, heads, head_dim, cw, row, inputs.shape[0])
 
 
-def kda_commit(layers: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]], last: int) -> None:
+def kda_commit(layers: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]],
+               last: int | torch.Tensor) -> None:
     """For each (recurrent [h, d, d] fp32, kept inputs [T, h, 4, d], conv [K-1, C], window [K-1+T, C]):
     recurrent advanced over positions 0 … last (nn.kda.commit_steps), conv = window[last + 1 : last + K].
+    `last` may be a one-element int64 tensor on the device (read there: no host sync); it must then lie
+    in -1 … T-1 (an acceptance gives 0 … T-1). last = -1 puts the conv states back to where
+    the step found them (the recurrent ones it never moved).
     Same shapes and dtypes in every layer. The checks and the address table are made once per set of
     tensors (a verify graph's kept inputs are the same tensors at every replay): after that a call is a
     key and a launch."""

@@ -1,0 +1,196 @@
+"""The greedy MTP loop, pipelined: each speculative cycle is queued on the GPU before the host has read
+what the cycle before it accepted.
+
+In the synced loop the GPU idles at every cycle while the host wakes from its wait, reads the verify's
+picks, accepts, commits, and launches the next draft chain and the next verify (the verify graph's
+launch alone outlasts the chain it queues behind): 0.6 ms of a 5.5 ms cycle on an H100 (docs/benchmarks.md,
+session 29). Here the acceptance runs on the GPU too, so everything a cycle needs from the one before —
+how many drafts it accepted, the token after them, the verify's hidden states — stays on the device:
+
+    cycle i:  draft chain → verify → accept (a_i, next_i; a copy to the host, an event)
+    cycle i+1, queued before the host reads cycle i:
+              commit KDA at a_i → the MTP catch-up over the k+1 slots the verify may have accepted
+              (drafting from slot a_i) → k-1 more drafts → verify at positions n_i + a_i + 1 … → accept
+
+The catch-up always runs over k+1 slots; the slots past a_i hold the rejected drafts' states and are
+rewritten before anything attends to them (attention is causal and the next catch-up starts at the
+first of them). Positions past a_i are filled on the device, so attention reads the context bucket of
+the furthest position a cycle may reach. When the host finds a stop token in cycle i, cycle i+1 is
+dropped: its only lasting effect, the commit of cycle i, is the one the synced loop makes too.
+
+The steps are StepGraphs' CUDA graphs, their input buffers filled on the device; off a GPU the same
+buffers run eagerly (graphs.EagerSteps), which is how the tests hold both loops to the same tokens.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from sparkchat.engine.graphs import EagerSteps, StepGraphs, bucket_for
+from sparkchat.engine.state import ConversationState
+
+SLOTS = 3  # buffers in turn: a cycle's results are read while the next is queued, its events one later
+
+
+@dataclass
+class Cycle:
+    """One queued cycle: where it started and where its results will be."""
+
+    slot: int
+    base: int  # its MTP catch-up's first slot: where the MTP cache goes back to if it is dropped
+    kept: dict  # the verify's kept KDA steps (graph buffers: committed by the next cycle, on the device)
+    pipelined: bool  # queued from the cycle before's device results (else from the host's)
+    t_host: float = 0.0  # off a GPU: the seconds its draft chain and verify took (they ran as queued)
+    t_draft: float = 0.0
+
+
+class GreedyPipeline:
+    """Queues greedy speculative cycles of k drafts over one conversation state (see the module doc)."""
+
+    def __init__(self, model, state: ConversationState, graphs: StepGraphs | None, k: int) -> None:
+        self.model, self.state, self.k = model, state, k
+        self.steps = graphs if graphs is not None else EagerSteps(model, state)
+        dev = model.embed.device
+        self.cuda = dev.type == "cuda"
+        H = model.cfg.hidden_size
+        self._offsets = torch.arange(k + 2, dtype=torch.long, device=dev)
+        self._drafts = torch.zeros(SLOTS, k, dtype=torch.long, device=dev)
+        self._accepted = torch.zeros(SLOTS, 1, dtype=torch.long, device=dev)
+        self._next = torch.zeros(SLOTS, 1, dtype=torch.long, device=dev)
+        self._hidden = torch.zeros(SLOTS, k + 1, H, dtype=model.embed.dtype, device=dev)
+        self._result = torch.zeros(SLOTS, k + 2, dtype=torch.long, pin_memory=self.cuda)
+        # per slot: draft chain start, chain end, verify + acceptance end, results on the host
+        self._events = [[torch.cuda.Event(enable_timing=i < 3) for i in range(4)] for _ in range(SLOTS)] \
+            if self.cuda else None
+        self._count = 0
+
+    def fits(self) -> bool:
+        """Whether the cycle queued behind the one verifying from the state's length stays inside the
+        context: it reaches that length + 2k + 1 at most."""
+        return self.state.length + 2 * self.k + 2 <= self.state.max_context
+
+    # -- queueing ---------------------------------------------------------------------------
+    def first(self, pending: int) -> Cycle:
+        """A cycle from the host's state: the catch-up over the slots the MTP cache lacks (their count
+        known), drafting from the last, then the verify of pending + the drafts."""
+        st, k = self.state, self.k
+        n, m = st.length, st.mtp_length
+        st.mtp_length = n
+        T = n - m
+        c = self.steps.buffers("draft_chain", T, self._chain_buckets(m + T - 1), False, m, chain=k)
+        c.ids.copy_(torch.tensor(st.token_ids[m + 1:n] + [pending]), non_blocking=True)
+        c.pos.copy_(torch.arange(m, m + T + k - 1), non_blocking=True)
+        c.hidden_in.copy_(st.hidden[m:n])
+        cycle = self._begin(m, pipelined=False)
+        drafts = self._draft(cycle, c)
+        v = self.steps.buffers("target", k + 1, bucket_for(n + k + 1, st.max_context), True, n)
+        v.ids[:1].fill_(pending)
+        v.ids[1:].copy_(drafts)
+        v.pos.copy_(torch.arange(n, n + k + 1), non_blocking=True)
+        return self._verify(cycle, v)
+
+    def next(self, prev: Cycle) -> Cycle:
+        """The cycle after `prev`, queued before the host reads `prev` (fits() must hold). `prev` verifies
+        from the state's length n: the host has committed every cycle before it."""
+        st, k, n = self.state, self.k, self.state.length
+        assert st.mtp_length == n and self.fits()
+        accepted, nxt = self._accepted[prev.slot], self._next[prev.slot]
+        st.commit_kda(prev.kept, accepted)  # the kernel reads `accepted` on the device
+        # catch-up slot j (position n + j) takes the verify's hidden there and the token after it:
+        # draft j+1 where j < accepted, the target's next token at j = accepted (and past it: ignored)
+        c = self.steps.buffers("draft_chain", k + 1, self._chain_buckets(n + k), False, n, chain=k, pick=True)
+        c.ids[:k].copy_(self._drafts[prev.slot])
+        c.ids[k:].copy_(nxt)
+        c.ids.scatter_(0, accepted, nxt)
+        torch.add(self._offsets[:k + 1], n, out=c.pos[:k + 1])
+        torch.add(self._offsets[1:k], accepted, out=c.pos[k + 1:]).add_(n + 1)  # drafts 2..k after the pick
+        c.hidden_in.copy_(self._hidden[prev.slot])
+        c.pick.copy_(accepted)
+        cycle = self._begin(n, pipelined=True)
+        drafts = self._draft(cycle, c)
+        # the verify's positions start right after the accepted ones; its capture (once per bucket)
+        # runs past every position this cycle may commit
+        v = self.steps.buffers("target", k + 1, bucket_for(n + 2 * k + 2, st.max_context), True, n + k + 1)
+        v.ids[:1].copy_(nxt)
+        v.ids[1:].copy_(drafts)
+        torch.add(self._offsets[:k + 1], accepted, out=v.pos).add_(n + 1)
+        return self._verify(cycle, v)
+
+    def _chain_buckets(self, last_slot: int) -> tuple[int, ...]:
+        """A chain's attention buckets when its catch-up's last slot is at `last_slot`: draft j attends
+        up to position last_slot + j at most."""
+        return tuple(bucket_for(last_slot + 1 + j, self.state.max_context) for j in range(self.k))
+
+    def _begin(self, start: int, pipelined: bool) -> Cycle:
+        slot = self._count % SLOTS
+        self._count += 1
+        return Cycle(slot, start, {}, pipelined)
+
+    def _draft(self, cycle: Cycle, c) -> torch.Tensor:
+        t0 = time.perf_counter()
+        if self._events:
+            self._events[cycle.slot][0].record()
+        (out,) = self.steps.launch(c)
+        # copied out of the chain's buffer at once: the verify's graph may keep scratch there (one pool)
+        drafts = self._drafts[cycle.slot].copy_(out)
+        if self._events:
+            self._events[cycle.slot][1].record()
+        cycle.t_draft = time.perf_counter() - t0
+        return drafts
+
+    def _verify(self, cycle: Cycle, v) -> Cycle:
+        """Launch the verify whose buffers are filled, then the greedy acceptance on the device: the
+        drafts' leading run that matches the target's picks, and the target's pick after it."""
+        t0 = time.perf_counter()
+        s, k = cycle.slot, self.k
+        hidden, logits, cycle.kept = self.steps.launch(v)
+        target = logits.argmax(-1)
+        matched = (self._drafts[s] == target[:k]).long().cumprod(0)
+        torch.sum(matched, 0, keepdim=True, out=self._accepted[s])
+        torch.gather(target, 0, self._accepted[s], out=self._next[s])
+        self._hidden[s].copy_(hidden)
+        if self._events:
+            self._events[s][2].record()
+        out = torch.cat([self._drafts[s], self._accepted[s], self._next[s]])
+        self._result[s].copy_(out, non_blocking=True)
+        if self._events:
+            self._events[s][3].record()
+        cycle.t_host = cycle.t_draft + time.perf_counter() - t0
+        return cycle
+
+    # -- reading a cycle back ---------------------------------------------------------------
+    def collect(self, cycle: Cycle, next_queued: bool) -> tuple[list[int], int, int]:
+        """Wait for `cycle` alone (not for a cycle queued behind it) and settle the host's side: its
+        (drafts, accepted count, the target's next token). The caller commits the tokens. Unless the
+        next cycle is queued (it commits on the device), the KDA commit is queued here."""
+        s, st = cycle.slot, self.state
+        if self._events:
+            self._events[s][3].synchronize()
+        *drafts, accepted, nxt = self._result[s].tolist()
+        start = st.length  # where the cycle verified from: every cycle before it is committed
+        rows = min(self.k + 1, st.max_context - start)  # the hidden states a later catch-up reads
+        st.hidden[start:start + rows] = self._hidden[s][:rows]
+        if not next_queued:
+            st.commit_kda(cycle.kept, accepted)
+        # the queued cycle's catch-up reached the last accepted slot; else this cycle's own catch-up
+        st.mtp_length = start + accepted + 1 if next_queued else start
+        return drafts, accepted, nxt
+
+    def drop(self, cycle: Cycle) -> None:
+        """Forget a queued cycle the answer will not use (it has ended): its verify's conv states go back
+        to where it found them (it left the recurrent ones alone), and the MTP cache's catch-up to where
+        the collected cycle left it. Its commit of the cycle before stays: the synced loop makes it too."""
+        self.state.commit_kda(cycle.kept, -1)
+        self.state.mtp_length = cycle.base
+
+    def timings(self, cycle: Cycle, before: Cycle | None) -> tuple[float, float, float]:
+        """After collect: (draft chain, verify + acceptance, the GPU's wait between the cycle before's end
+        and this chain's start) in seconds, from the GPU's events (the host's clock off a GPU)."""
+        if not self._events:
+            return cycle.t_draft, cycle.t_host - cycle.t_draft, 0.0
+        e = self._events[cycle.slot]
+        gap = self._events[before.slot][2].elapsed_time(e[0]) / 1000 if before is not None else 0.0
+        return e[0].elapsed_time(e[1]) / 1000, e[1].elapsed_time(e[2]) / 1000, gap
