@@ -2,7 +2,7 @@
 # The GPU runs waiting for a development GPU, as named batches, so a lent machine starts on them at once.
 #
 #   bash benchmarks/gpu_queue.sh wheels        # here (with package registries): the wheels the GPU box lacks
-#   bash benchmarks/gpu_queue.sh quick|qbench|gemvs|verify|pipeline|race|first|ab|tests|configs|bench|load   # on the GPU box, logs under $OUT (default ./gpu-out)
+#   bash benchmarks/gpu_queue.sh quick|qbench|gemvs|verify|pipeline|sampled|race|first|ab|tests|configs|bench|load   # on the GPU box, logs under $OUT (default ./gpu-out)
 #
 # The GPU box has torch, triton and transformers, but not this project's other dependencies, nor the
 # transformers the tiny test models need (5.24), and it cannot fetch: `wheels` downloads them into .whl2/
@@ -88,6 +88,16 @@ pipeline() {
     timeout 120 python3 benchmarks/loop_trace.py --cycles 30 --show 2 2>&1 | tee "$OUT/loop-trace.txt"
 }
 
+# The pipelined loop sampling too (the chain's draws and the acceptance's in the synced loop's order):
+# the GPU engine tests for it, then the real loop sampled at temperature 0.7 with it on and off.
+sampled() {
+    tiny_models || return 1
+    timeout 200 python3 -m pytest -q -x tests/test_gpu_engine.py -k "pipelined or sampled_drafts" 2>&1 \
+        | tee "$OUT/engine.txt" | tail -5
+    timeout 200 python3 benchmarks/profile_step.py --loop-switch SPARKCHAT_PIPELINE --loop-temperature 0.7 \
+        --loop-rounds 2 2>&1 | tee "$OUT/loop-sampled.txt"
+}
+
 # `sparkchat bench` with the defaults (the headline row and the Spark projection) and the GPU engine
 # tests (greedy tokens as the CPU reference's, the MTP loop lossless).
 qbench() {
@@ -171,6 +181,6 @@ load() {  # the checkpoint reader to the GPU: mmap vs plain reads, and the page 
 
 case "${1:-}" in
     wheels) wheels ;;
-    quick|qbench|gemvs|verify|pipeline|race|first|ab|tests|configs|bench|load) install_wheels; "$1" ;;
-    *) echo "usage: $0 wheels|quick|qbench|gemvs|verify|pipeline|race|first|ab|tests|configs|bench|load" >&2; exit 2 ;;
+    quick|qbench|gemvs|verify|pipeline|sampled|race|first|ab|tests|configs|bench|load) install_wheels; "$1" ;;
+    *) echo "usage: $0 wheels|quick|qbench|gemvs|verify|pipeline|sampled|race|first|ab|tests|configs|bench|load" >&2; exit 2 ;;
 esac

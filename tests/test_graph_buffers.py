@@ -104,8 +104,9 @@ def test_speculative_loop_reads_graph_outputs_before_the_next_replay(agree_dir, 
 
 def test_sampled_drafts_in_one_graph_read_their_outputs_before_the_next_replay(agree_dir, monkeypatch):
     """Sampled MTP with the drafts drawn inside the chain graph: with the verify queued behind the chain
-    or not, spoiling stand-in or not, the same seed gives the same tokens — the loop reads every graph
-    output before another graph replays, and both loops draw from the generator in the same order."""
+    or not, each cycle queued before the last is read (the pipelined loop) or not, spoiling stand-in or
+    not, the same seed gives the same tokens — the loop reads every graph output before another graph
+    replays, and every loop draws from the generator in the same order."""
     from sparkchat.engine.config import ModelConfig
     from sparkchat.engine.loader import load_model
     from sparkchat.engine.state import ConversationState
@@ -114,8 +115,9 @@ def test_sampled_drafts_in_one_graph_read_their_outputs_before_the_next_replay(a
     model = load_model(agree_dir, cfg, "cpu", torch.float32, 256)
     params = SamplingParams(temperature=0.8, top_p=0.95, seed=7, max_tokens=40, ignore_eos=True)
 
-    def run(queued: str, spoil: bool) -> tuple[list[int], object]:
+    def run(queued: str, spoil: bool, pipelined: str = "0") -> tuple[list[int], object]:
         monkeypatch.setenv("SPARKCHAT_QUEUED_VERIFY", queued)
+        monkeypatch.setenv("SPARKCHAT_PIPELINE", pipelined)
         state = ConversationState.allocate(cfg, 256, "cpu", torch.float32)
         tokens, stats = [], None
         for out in generate_tokens(model, state, list(range(5, 30)), params, set(), mtp=True, draft_steps=3,
@@ -129,6 +131,9 @@ def test_sampled_drafts_in_one_graph_read_their_outputs_before_the_next_replay(a
     assert stats.accept_length_mean > 1.2 and stats.draft_s > 0  # the agree model's drafts get accepted
     for queued, spoil in (("0", True), ("1", False), ("1", True)):
         assert run(queued, spoil)[0] == reference, (queued, spoil)
+    for spoil in (False, True):
+        tokens, piped = run("1", spoil, pipelined="1")
+        assert tokens == reference and piped.accept_length_mean == stats.accept_length_mean, spoil
     monkeypatch.setenv("SPARKCHAT_DRAFT_CHAIN", "0")  # a replay per draft step: another draw, same model
     other, _ = run("1", True)
     assert len(other) == 40 and other[:1] == reference[:1]  # the first token comes before any draft

@@ -23,7 +23,7 @@ import torch
 from sparkchat.engine.events import GenerationStats, SamplingParams
 from sparkchat.engine.model import LingModel
 from sparkchat.engine.nn.mla import Span
-from sparkchat.engine.pipeline import GreedyPipeline
+from sparkchat.engine.pipeline import SpeculativePipeline
 from sparkchat.engine.sampling import (make_generator, probabilities, sample, speculative_accept,
                                        speculative_accept_on_device)
 from sparkchat.engine.state import ConversationState
@@ -53,7 +53,7 @@ class _SpecCounters:
 
 
 def _pipelined(graphs) -> bool:
-    """Whether the greedy MTP loop runs pipelined: with CUDA graphs, unless SPARKCHAT_PIPELINE=0;
+    """Whether the MTP loop runs pipelined: with CUDA graphs, unless SPARKCHAT_PIPELINE=0;
     SPARKCHAT_PIPELINE=1 runs it without graphs too (eagerly: the tests' twin of the graphed loop)."""
     forced = os.environ.get("SPARKCHAT_PIPELINE")
     return forced != "0" if graphs is not None else forced == "1"
@@ -321,9 +321,9 @@ def generate_tokens(model: LingModel, state: ConversationState, new_ids: list[in
     # sample_and_verify): one host wait a cycle, not two (H200, greedy: 1.4% shorter cycles,
     # docs/benchmarks.md session 14)
     queued_verify = os.environ.get("SPARKCHAT_QUEUED_VERIFY", "1") != "0"
-    # greedy: each cycle queued before the host reads the one before it (engine/pipeline.py)
-    pipe = GreedyPipeline(model, state, graphs, draft_steps) \
-        if use_mtp and params.temperature <= 0 and _pipelined(graphs) else None
+    # each cycle queued before the host reads the one before it (engine/pipeline.py)
+    pipe = SpeculativePipeline(model, state, graphs, draft_steps, params, gen) \
+        if use_mtp and _pipelined(graphs) else None
     inflight = before = None  # the queued cycle the host has not read; the pipeline's cycle read last
     first = emit([pending])
     yield first

@@ -102,9 +102,11 @@ def _step_inputs(model: LingModel, kind: str, T: int, start: int, chain: int = 0
     return c
 
 
-def _key(kind: str, T: int, bucket: int | tuple[int, ...], keep_steps: bool, chain: int, pick: bool) -> tuple:
+def _key(kind: str, T: int, bucket: int | tuple[int, ...], keep_steps: bool, chain: int, pick: bool,
+         sampling: SamplingParams | None) -> tuple:
     # a target step's key is replay()'s own: the same graph, its buffers filled on the device instead
-    return (kind, T, bucket, keep_steps) if kind == "target" else ("at", kind, T, bucket, chain, pick)
+    how = None if sampling is None else (sampling.temperature, sampling.top_k, sampling.top_p)
+    return (kind, T, bucket, keep_steps) if kind == "target" else ("at", kind, T, bucket, chain, pick, how)
 
 
 class StepGraphs:
@@ -189,14 +191,15 @@ class StepGraphs:
         return c.out
 
     def buffers(self, kind: str, T: int, bucket: int | tuple[int, ...], keep_steps: bool, start: int,
-                chain: int = 0, pick: bool = False) -> _Captured:
+                chain: int = 0, pick: bool = False, sampling: SamplingParams | None = None) -> _Captured:
         """A step's graph (captured the first time, at positions from `start`) for a caller that fills
-        its input buffers on the device (ids, pos, hidden_in, pick), with no host copy, then launch()es
-        it: the pipelined MTP loop queues a cycle before the host knows what the last one accepted."""
-        key = _key(kind, T, bucket, keep_steps, chain, pick)
+        its input buffers on the device (ids, pos, hidden_in, pick, a sampled chain's noise), with no
+        host copy, then launch()es it: the pipelined MTP loop queues a cycle before the host knows what
+        the last one accepted."""
+        key = _key(kind, T, bucket, keep_steps, chain, pick, sampling)
         c = self.graphs.get(key)
         if c is None:
-            c = self.graphs[key] = self._capture(kind, T, bucket, keep_steps, start, chain=chain, pick=pick)
+            c = self.graphs[key] = self._capture(kind, T, bucket, keep_steps, start, chain, sampling, pick)
         return c
 
     def launch(self, c: _Captured) -> tuple[Any, ...]:
@@ -215,12 +218,12 @@ class EagerSteps:
         self._buffers: dict[tuple, _Captured] = {}
 
     def buffers(self, kind: str, T: int, bucket: int | tuple[int, ...], keep_steps: bool, start: int,
-                chain: int = 0, pick: bool = False) -> _Captured:
-        key = _key(kind, T, bucket, keep_steps, chain, pick)
+                chain: int = 0, pick: bool = False, sampling: SamplingParams | None = None) -> _Captured:
+        key = _key(kind, T, bucket, keep_steps, chain, pick, sampling)
         c = self._buffers.get(key)
         if c is None:
-            c = self._buffers[key] = _step_inputs(self.model, kind, T, start, chain, pick=pick)
-            c.how = (kind, bucket, keep_steps, chain, None)
+            c = self._buffers[key] = _step_inputs(self.model, kind, T, start, chain, sampling, pick=pick)
+            c.how = (kind, bucket, keep_steps, chain, sampling)
         return c
 
     def launch(self, c: _Captured) -> tuple[Any, ...]:

@@ -1,10 +1,12 @@
-"""The greedy MTP loop, pipelined: each speculative cycle is queued on the GPU before the host has read
-what the cycle before it accepted.
+"""The MTP loop, pipelined: each speculative cycle is queued on the GPU before the host has read what
+the cycle before it accepted.
 
 In the synced loop the GPU idles at every cycle while the host wakes from its wait, reads the verify's
 picks, accepts, commits, and launches the next draft chain and the next verify (the verify graph's
 launch alone outlasts the chain it queues behind): 0.6 ms of a 5.5 ms cycle on an H100 (docs/benchmarks.md,
-session 29). Here the acceptance runs on the GPU too, so everything a cycle needs from the one before —
+session 29). Here the acceptance runs on the GPU too (greedy: the drafts' leading run that matches the
+target's picks; sampled: sampling.speculative_accept_on_device, the drafts drawn inside the chain graph,
+in the synced loop's order of draws, so a seed gives its tokens), so everything a cycle needs from the one before —
 how many drafts it accepted, the token after them, the verify's hidden states — stays on the device:
 
     cycle i:  draft chain → verify → accept (a_i, next_i; a copy to the host, an event)
@@ -29,7 +31,9 @@ from dataclasses import dataclass
 
 import torch
 
+from sparkchat.engine.events import SamplingParams
 from sparkchat.engine.graphs import EagerSteps, StepGraphs, bucket_for
+from sparkchat.engine.sampling import probabilities, speculative_accept_on_device
 from sparkchat.engine.state import ConversationState
 
 SLOTS = 3  # buffers in turn: a cycle's results are read while the next is queued, its events one later
@@ -47,11 +51,16 @@ class Cycle:
     t_draft: float = 0.0
 
 
-class GreedyPipeline:
-    """Queues greedy speculative cycles of k drafts over one conversation state (see the module doc)."""
+class SpeculativePipeline:
+    """Queues speculative cycles of k drafts over one conversation state (see the module doc): greedy, or
+    sampled with `params` (temperature > 0), drawing from `gen`."""
 
-    def __init__(self, model, state: ConversationState, graphs: StepGraphs | None, k: int) -> None:
+    def __init__(self, model, state: ConversationState, graphs: StepGraphs | None, k: int,
+                 params: SamplingParams | None = None, gen: torch.Generator | None = None) -> None:
         self.model, self.state, self.k = model, state, k
+        self.sampling = params if params is not None and params.temperature > 0 else None
+        self.gen = gen
+        self._q: torch.Tensor | None = None  # sampled: each slot's draft distributions [k, vocab]
         self.steps = graphs if graphs is not None else EagerSteps(model, state)
         dev = model.embed.device
         self.cuda = dev.type == "cuda"
@@ -80,7 +89,8 @@ class GreedyPipeline:
         n, m = st.length, st.mtp_length
         st.mtp_length = n
         T = n - m
-        c = self.steps.buffers("draft_chain", T, self._chain_buckets(m + T - 1), False, m, chain=k)
+        c = self.steps.buffers("draft_chain", T, self._chain_buckets(m + T - 1), False, m, chain=k,
+                               sampling=self.sampling)
         c.ids.copy_(torch.tensor(st.token_ids[m + 1:n] + [pending]), non_blocking=True)
         c.pos.copy_(torch.arange(m, m + T + k - 1), non_blocking=True)
         c.hidden_in.copy_(st.hidden[m:n])
@@ -101,7 +111,8 @@ class GreedyPipeline:
         st.commit_kda(prev.kept, accepted)  # the kernel reads `accepted` on the device
         # catch-up slot j (position n + j) takes the verify's hidden there and the token after it:
         # draft j+1 where j < accepted, the target's next token at j = accepted (and past it: ignored)
-        c = self.steps.buffers("draft_chain", k + 1, self._chain_buckets(n + k), False, n, chain=k, pick=True)
+        c = self.steps.buffers("draft_chain", k + 1, self._chain_buckets(n + k), False, n, chain=k, pick=True,
+                               sampling=self.sampling)
         c.ids[:k].copy_(self._drafts[prev.slot])
         c.ids[k:].copy_(nxt)
         c.ids.scatter_(0, accepted, nxt)
@@ -133,9 +144,13 @@ class GreedyPipeline:
         t0 = time.perf_counter()
         if self._events:
             self._events[cycle.slot][0].record()
-        (out,) = self.steps.launch(c)
-        # copied out of the chain's buffer at once: the verify's graph may keep scratch there (one pool)
-        drafts = self._drafts[cycle.slot].copy_(out)
+        if c.noise is not None:
+            c.noise.uniform_(generator=self.gen)  # the chain's draws, before the acceptance's (synced order)
+        out = self.steps.launch(c)
+        # copied out of the chain's buffers at once: the verify's graph may keep scratch there (one pool)
+        drafts = self._drafts[cycle.slot].copy_(out[0])
+        if self.sampling is not None:
+            self._keep_draft_probs(cycle.slot, out[1])
         if self._events:
             self._events[cycle.slot][1].record()
         cycle.t_draft = time.perf_counter() - t0
@@ -147,10 +162,16 @@ class GreedyPipeline:
         t0 = time.perf_counter()
         s, k = cycle.slot, self.k
         hidden, logits, cycle.kept = self.steps.launch(v)
-        target = logits.argmax(-1)
-        matched = (self._drafts[s] == target[:k]).long().cumprod(0)
-        torch.sum(matched, 0, keepdim=True, out=self._accepted[s])
-        torch.gather(target, 0, self._accepted[s], out=self._next[s])
+        if self.sampling is not None:
+            p = probabilities(logits, self.sampling)
+            decided = speculative_accept_on_device(p, self._q[s], self._drafts[s], self.gen)
+            self._accepted[s].copy_(decided[:1])
+            self._next[s].copy_(decided[1:])
+        else:
+            target = logits.argmax(-1)
+            matched = (self._drafts[s] == target[:k]).long().cumprod(0)
+            torch.sum(matched, 0, keepdim=True, out=self._accepted[s])
+            torch.gather(target, 0, self._accepted[s], out=self._next[s])
         self._hidden[s].copy_(hidden)
         if self._events:
             self._events[s][2].record()
@@ -160,6 +181,17 @@ class GreedyPipeline:
             self._events[s][3].record()
         cycle.t_host = cycle.t_draft + time.perf_counter() - t0
         return cycle
+
+    def _keep_draft_probs(self, slot: int, q: torch.Tensor) -> None:
+        """A sampled chain's draft distributions [k, draft rows] over the whole vocabulary, in this slot:
+        0 outside a truncated draft head's rows (the rule stays exact: such tokens are never drafted)."""
+        rows = self.model.lm_head.draft_ids
+        if self._q is None:
+            self._q = torch.zeros(SLOTS, self.k, self.model.cfg.vocab_size, dtype=q.dtype, device=q.device)
+        if rows is None:
+            self._q[slot].copy_(q)
+        else:
+            self._q[slot].index_copy_(1, rows, q)
 
     # -- reading a cycle back ---------------------------------------------------------------
     def collect(self, cycle: Cycle, next_queued: bool) -> tuple[list[int], int, int]:
