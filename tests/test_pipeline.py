@@ -101,3 +101,16 @@ def test_near_the_context_end_it_falls_back_to_synced_cycles(models, monkeypatch
     piped, _, reason, state = _answer(model, monkeypatch, pipelined=True, context=context)
     assert piped == synced == plain and reason == p_reason == "length" and len(piped) < 60
     _same_state(state, s_state)
+
+
+def test_filling_the_catch_ups_rejected_slots_changes_no_draft(models, monkeypatch):
+    """SPARKCHAT_PIPELINE_FILL=1: the catch-up's slots past the accepted one repeat its token and hidden
+    state (for their MoE's sake) — attention is causal and every other op works row by row, so the
+    drafts, their acceptance and the tokens are those of the unfilled loop, and so is the target's state."""
+    model = models["agreeing-draft"]
+    plain, p_stats, _, p_state = _answer(model, monkeypatch, pipelined=True)
+    monkeypatch.setenv("SPARKCHAT_PIPELINE_FILL", "1")
+    filled, f_stats, _, f_state = _answer(model, monkeypatch, pipelined=True)
+    assert filled == plain and p_stats.accept_length_mean >= 2.0
+    assert f_stats.accept_rate_per_position == p_stats.accept_rate_per_position
+    _same_state(f_state, p_state)

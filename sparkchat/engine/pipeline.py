@@ -26,6 +26,7 @@ buffers run eagerly (graphs.EagerSteps), which is how the tests hold both loops 
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 
@@ -60,6 +61,8 @@ class SpeculativePipeline:
         self.model, self.state, self.k = model, state, k
         self.sampling = params if params is not None and params.temperature > 0 else None
         self.gen = gen
+        # SPARKCHAT_PIPELINE_FILL=1: the catch-up's slots past the accepted one copy it (next())
+        self.fill = os.environ.get("SPARKCHAT_PIPELINE_FILL", "0") == "1"
         self._q: torch.Tensor | None = None  # sampled: each slot's draft distributions [k, vocab]
         self.steps = graphs if graphs is not None else EagerSteps(model, state)
         dev = model.embed.device
@@ -118,7 +121,15 @@ class SpeculativePipeline:
         c.ids.scatter_(0, accepted, nxt)
         torch.add(self._offsets[:k + 1], n, out=c.pos[:k + 1])
         torch.add(self._offsets[1:k], accepted, out=c.pos[k + 1:]).add_(n + 1)  # drafts 2..k after the pick
-        c.hidden_in.copy_(self._hidden[prev.slot])
+        if self.fill:
+            # the slots past the accepted one repeat its token and hidden state: their MoE then mostly
+            # routes to its experts, reading fewer other experts' weights (causal: the rest is unchanged)
+            past = self._offsets[:k + 1] > accepted
+            c.ids.copy_(torch.where(past, nxt, c.ids))
+            torch.index_select(self._hidden[prev.slot], 0, torch.minimum(self._offsets[:k + 1], accepted),
+                               out=c.hidden_in)
+        else:
+            c.hidden_in.copy_(self._hidden[prev.slot])
         c.pick.copy_(accepted)
         cycle = self._begin(n, pipelined=True)
         drafts = self._draft(cycle, c)
