@@ -162,3 +162,24 @@ def test_the_gpu_queue_gemv_configs_parse_and_name_real_shapes(monkeypatch):
     for value in (v for spec in specs for v in spec.split(",")):
         monkeypatch.setenv("SPARKCHAT_GEMV_CONFIG", value)
         assert [gemv_config(*shape) for shape in shapes] != defaults, value
+
+
+def test_loop_trace_finds_the_gpus_idle_stretches_and_the_host_calls_in_them():
+    """benchmarks/loop_trace.py's arithmetic on a made-up trace: overlapping kernels (a side stream) are one
+    busy span, only gaps over the threshold count, and a stretch lists the host calls overlapping it,
+    outer ones first."""
+    import loop_trace
+
+    def gpu(ts, dur, cat="kernel"):
+        return {"cat": cat, "ts": ts, "dur": dur, "name": "k"}
+
+    events = [gpu(0, 10), gpu(5, 20), gpu(26, 4, "gpu_memcpy"),  # busy to 30 (a 1 µs gap does not count)
+              gpu(100, 50),  # 70 µs idle before it
+              gpu(158, 2),  # 8 µs idle
+              {"cat": "cuda_runtime", "ts": 40, "dur": 55, "name": "cudaGraphLaunch"},
+              {"cat": "cpu_op", "ts": 35, "dur": 70, "name": "outer"},
+              {"cat": "cpu_op", "ts": 0, "dur": 20, "name": "before"},
+              {"cat": "python_function", "ts": 40, "dur": 5, "name": "ignored"}]
+    assert loop_trace.idle_stretches(events, 5.0) == [(30, 100), (150, 158)]
+    assert loop_trace.idle_stretches(events, 10.0) == [(30, 100)]
+    assert [e["name"] for e in loop_trace.host_calls(events, 30, 100)] == ["outer", "cudaGraphLaunch"]
