@@ -2,7 +2,7 @@
 # The GPU runs waiting for a development GPU, as named batches, so a lent machine starts on them at once.
 #
 #   bash benchmarks/gpu_queue.sh wheels        # here (with package registries): the wheels the GPU box lacks
-#   bash benchmarks/gpu_queue.sh quick|qbench|gemvs|verify|pipeline|sampled|fill|race|first|ab|tests|configs|bench|load   # on the GPU box, logs under $OUT (default ./gpu-out)
+#   bash benchmarks/gpu_queue.sh quick|qbench|gemvs|verify|pipeline|sampled|handoff|race|first|ab|tests|configs|bench|load   # on the GPU box, logs under $OUT (default ./gpu-out)
 #
 # The GPU box has torch, triton and transformers, but not this project's other dependencies, nor the
 # transformers the tiny test models need (5.24), and it cannot fetch: `wheels` downloads them into .whl2/
@@ -98,15 +98,19 @@ sampled() {
         --loop-rounds 2 2>&1 | tee "$OUT/loop-sampled.txt"
 }
 
-# SPARKCHAT_PIPELINE_FILL=1 (the pipelined catch-up's slots past the accepted one copy its token and
-# hidden state, so that their MoE mostly reads its experts): the GPU engine tests with it, then the real
-# loop with it on and off, greedy and sampled (synthetic weights accept ~1 token a cycle: 3 such slots).
-fill() {
+# The pipelined loop's two opt-in switches, CPU-checked in session 29: SPARKCHAT_PIPELINE_FILL=1 (the
+# catch-up's slots past the accepted one copy its token and hidden state, so that their MoE mostly reads
+# its experts; synthetic weights accept ~1 token a cycle: 3 such slots) and SPARKCHAT_PIPELINE_KERNELS=1
+# (the acceptance and the next cycle's inputs in two Triton launches instead of ~15 torch ops): the
+# handoff kernels against their twins and the GPU engine tests with them, then the real loop with each on
+# and off, greedy.
+handoff() {
     tiny_models || return 1
-    timeout 200 python3 -m pytest -q -x tests/test_gpu_engine.py -k "pipelined" 2>&1 | tee "$OUT/engine.txt" | tail -5
-    timeout 200 python3 benchmarks/profile_step.py --loop-switch SPARKCHAT_PIPELINE_FILL 2>&1 | tee "$OUT/loop-fill.txt"
-    timeout 150 python3 benchmarks/profile_step.py --loop-switch SPARKCHAT_PIPELINE_FILL --loop-temperature 0.7 \
-        --loop-rounds 2 2>&1 | tee "$OUT/loop-fill-sampled.txt"
+    timeout 240 python3 -m pytest -q -x tests/test_pipeline_handoff.py tests/test_gpu_engine.py \
+        -k "handoff or pipelined" 2>&1 | tee "$OUT/engine.txt" | tail -5
+    timeout 170 python3 benchmarks/profile_step.py --loop-switch SPARKCHAT_PIPELINE_FILL 2>&1 | tee "$OUT/loop-fill.txt"
+    timeout 170 python3 benchmarks/profile_step.py --loop-switch SPARKCHAT_PIPELINE_KERNELS 2>&1 \
+        | tee "$OUT/loop-kernels.txt"
 }
 
 # `sparkchat bench` with the defaults (the headline row and the Spark projection) and the GPU engine
@@ -192,6 +196,6 @@ load() {  # the checkpoint reader to the GPU: mmap vs plain reads, and the page 
 
 case "${1:-}" in
     wheels) wheels ;;
-    quick|qbench|gemvs|verify|pipeline|sampled|fill|race|first|ab|tests|configs|bench|load) install_wheels; "$1" ;;
-    *) echo "usage: $0 wheels|quick|qbench|gemvs|verify|pipeline|sampled|fill|race|first|ab|tests|configs|bench|load" >&2; exit 2 ;;
+    quick|qbench|gemvs|verify|pipeline|sampled|handoff|race|first|ab|tests|configs|bench|load) install_wheels; "$1" ;;
+    *) echo "usage: $0 wheels|quick|qbench|gemvs|verify|pipeline|sampled|handoff|race|first|ab|tests|configs|bench|load" >&2; exit 2 ;;
 esac

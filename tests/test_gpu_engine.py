@@ -232,16 +232,19 @@ def test_queued_verify_drafts_and_verifies_as_the_synced_loop(model_dirs, monkey
         assert s1.accept_length_mean >= 1.5  # drafts were accepted: catch-ups over several slots ran
 
 
-@pytest.mark.parametrize("truncated,fill", [(False, "0"), (True, "0"), (False, "1")])
-def test_pipelined_loop_matches_the_synced_loop(model_dirs, monkeypatch, truncated, fill):
+@pytest.mark.parametrize("truncated,fill,kernels", [(False, "0", "0"), (True, "0", "0"), (False, "1", "0"),
+                                                   (False, "0", "1"), (True, "1", "1")])
+def test_pipelined_loop_matches_the_synced_loop(model_dirs, monkeypatch, truncated, fill, kernels):
     """The greedy MTP loop with each cycle queued before the host reads the one before (the default with
     graphs, engine/pipeline.py) against the synced loop: the same tokens; the same target states after
     the answer, whose last queued cycle was dropped (its verify's conv states put back); drafts accepted
     as often (its catch-ups run over k+1 slots, so the draft's sums differ in order, not in kind).
-    fill: SPARKCHAT_PIPELINE_FILL, the catch-up's slots past the accepted one copying it."""
+    fill: SPARKCHAT_PIPELINE_FILL, the catch-up's slots past the accepted one copying it; kernels:
+    SPARKCHAT_PIPELINE_KERNELS, the steps between cycles in two Triton launches."""
     from sparkchat.engine.session import Engine
 
     monkeypatch.setenv("SPARKCHAT_PIPELINE_FILL", fill)
+    monkeypatch.setenv("SPARKCHAT_PIPELINE_KERNELS", kernels)
 
     engine = Engine.load(model_dirs["agree"], device="cuda", dtype="bfloat16", max_context=512,
                          quantize_experts=True)

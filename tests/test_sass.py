@@ -173,10 +173,15 @@ def test_commit_kernel_holds_the_state_as_the_verify_does(arch):
 
     nb, warps = d.LAUNCH
     row = 3 * 4096 * 2 // 4
+    shapes = dict(T=4, H=32, DH=128, NB=nb, CONV=3 * row, ROW=row, BLOCK=c.BLOCK)
     commit = sass_stats.compile_kernel(c.kda_commit_kernel, {"table_ptr": "*i64", "last": "i32"},
-                                       dict(T=4, H=32, DH=128, NB=nb, CONV=3 * row, ROW=row, BLOCK=c.BLOCK), warps, arch)
-    ptx = commit.asm["ptx"]
-    assert "ld.global" in ptx and "st.global" in ptx and "wgmma" not in ptx and "cp.async.bulk" not in ptx
+                                       dict(shapes, LAST_ON_DEVICE=False), warps, arch)
+    # the pipelined loop's form, reading `last` where the GPU's acceptance wrote it
+    on_device = sass_stats.compile_kernel(c.kda_commit_kernel, {"table_ptr": "*i64", "last": "*i64"},
+                                          dict(shapes, LAST_ON_DEVICE=True), warps, arch)
+    for kernel in (commit, on_device):
+        ptx = kernel.asm["ptx"]
+        assert "ld.global" in ptx and "st.global" in ptx and "wgmma" not in ptx and "cp.async.bulk" not in ptx
     sig = {n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "f_ptr", "b_ptr", "og_ptr", "conv_ptr")}
     sig.update({n: "*fp32" for n in ("rec_ptr", "cw_ptr", "alog_ptr", "dtb_ptr")})
     sig.update({"onw_ptr": "*bf16", "o_ptr": "*bf16", "win_ptr": "*bf16", "steps_ptr": "*fp32", "cnt_ptr": "*i32"})
@@ -186,7 +191,26 @@ def test_commit_kernel_holds_the_state_as_the_verify_does(arch):
     cx = dict(T=4, H=32, DH=128, KC=4, NB=nb, SAFE_GATE=True, KEEP=True, bx_ptr=None, bw_ptr=None, FOLD_B=False,
               HID=1, BKH=1, PDL=True)
     verify = sass_stats.compile_kernel(d.kda_decode_kernel, sig, cx, warps, arch)
-    assert _state_tile_layout(commit) == _state_tile_layout(verify)
+    assert _state_tile_layout(commit) == _state_tile_layout(verify) == _state_tile_layout(on_device)
+
+
+@pytest.mark.parametrize("arch", [90, 121])
+def test_pipeline_handoff_kernels_compile_to_plain_loads_and_stores(arch):
+    """The pipelined MTP loop's two small kernels at Ling's shapes (3 drafts, hidden 2560 in bf16) compile
+    for the H200 and the Spark's sm_121a with plain global loads and stores, nothing Hopper-only."""
+    sass_stats = _tools()
+    from sparkchat.engine.kernels import pipeline_handoff as h
+
+    accept = sass_stats.compile_kernel(h.accept_greedy_kernel, {n: "*i64" for n in (
+        "drafts_ptr", "target_ptr", "accepted_ptr", "next_ptr", "result_ptr")}, dict(K=3, KP=4), 1, arch)
+    sig = {n: "*i64" for n in ("drafts_ptr", "accepted_ptr", "next_ptr", "ids_ptr", "pos_ptr", "pick_ptr",
+                               "vids_ptr", "vpos_ptr")}
+    sig.update({"hidden_ptr": "*bf16", "hin_ptr": "*bf16", "n": "i64"})
+    inputs = sass_stats.compile_kernel(h.next_inputs_kernel, sig, dict(K=3, H=2560, KP=4, PP=8, FILL=True,
+                                                                       BLOCK=h.HIDDEN_BLOCK), 4, arch)
+    for kernel in (accept, inputs):
+        ptx = kernel.asm["ptx"]
+        assert "ld.global" in ptx and "st.global" in ptx and "wgmma" not in ptx and "cp.async.bulk" not in ptx
 
 
 @pytest.mark.parametrize("M", [16, 32, 64, 512])

@@ -26,6 +26,7 @@ buffers run eagerly (graphs.EagerSteps), which is how the tests hold both loops 
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from dataclasses import dataclass
@@ -38,6 +39,51 @@ from sparkchat.engine.sampling import probabilities, speculative_accept_on_devic
 from sparkchat.engine.state import ConversationState
 
 SLOTS = 3  # buffers in turn: a cycle's results are read while the next is queued, its events one later
+
+
+@functools.cache
+def _slots(n: int, device: torch.device) -> torch.Tensor:
+    return torch.arange(n, device=device)  # made once: a kernel less a cycle
+
+
+def accept_greedy_ops(drafts: torch.Tensor, target: torch.Tensor, accepted: torch.Tensor, nxt: torch.Tensor,
+                      result: torch.Tensor) -> None:
+    """The greedy acceptance on the device: accepted [1] = the drafts' [k] leading run equal to the
+    target's picks [k+1], nxt [1] = the target's pick after it, result [k+2] = drafts, accepted, nxt.
+    The twin of kernels/pipeline_handoff.accept_greedy."""
+    k = drafts.shape[0]
+    matched = (drafts == target[:k]).long().cumprod(0)
+    torch.sum(matched, 0, keepdim=True, out=accepted)
+    torch.gather(target, 0, accepted, out=nxt)
+    torch.cat([drafts, accepted, nxt], out=result)
+
+
+def next_inputs_ops(drafts: torch.Tensor, accepted: torch.Tensor, nxt: torch.Tensor, hidden: torch.Tensor, n: int,
+                    ids: torch.Tensor, pos: torch.Tensor, pick: torch.Tensor, hidden_in: torch.Tensor,
+                    verify_ids: torch.Tensor, verify_pos: torch.Tensor, fill: bool) -> None:
+    """A pipelined cycle's inputs from the one before's results (drafts [k], accepted, nxt, the verify's
+    hidden states [k+1, H] at positions n …): catch-up slot j (position n + j) takes the hidden state
+    there and the token after it — draft j+1 where j < accepted, nxt at j = accepted, and past it
+    whatever (`fill`: the accepted slot's token and hidden state, so that those slots' MoE mostly routes
+    to its experts; attention is causal and the rest works row by row, so nothing else changes). The
+    chain drafts from slot `pick` = accepted, its drafts 2..k at the positions after; the verify takes
+    nxt first, at n + accepted + 1 …. The twin of kernels/pipeline_handoff.next_inputs."""
+    k = drafts.shape[0]
+    slots = _slots(k + 1, drafts.device)
+    ids[:k].copy_(drafts)
+    ids[k:].copy_(nxt)
+    ids.scatter_(0, accepted, nxt)
+    torch.add(slots, n, out=pos[:k + 1])
+    torch.add(slots[1:k], accepted, out=pos[k + 1:]).add_(n + 1)
+    if fill:
+        past = slots > accepted
+        ids.copy_(torch.where(past, nxt, ids))
+        torch.index_select(hidden, 0, torch.minimum(slots, accepted), out=hidden_in)
+    else:
+        hidden_in.copy_(hidden)
+    pick.copy_(accepted)
+    verify_ids.copy_(nxt)
+    torch.add(slots, accepted, out=verify_pos).add_(n + 1)
 
 
 @dataclass
@@ -61,18 +107,24 @@ class SpeculativePipeline:
         self.model, self.state, self.k = model, state, k
         self.sampling = params if params is not None and params.temperature > 0 else None
         self.gen = gen
-        # SPARKCHAT_PIPELINE_FILL=1: the catch-up's slots past the accepted one copy it (next())
+        # SPARKCHAT_PIPELINE_FILL=1: the catch-up's slots past the accepted one copy it (next_inputs_ops)
         self.fill = os.environ.get("SPARKCHAT_PIPELINE_FILL", "0") == "1"
         self._q: torch.Tensor | None = None  # sampled: each slot's draft distributions [k, vocab]
         self.steps = graphs if graphs is not None else EagerSteps(model, state)
         dev = model.embed.device
         self.cuda = dev.type == "cuda"
+        # SPARKCHAT_PIPELINE_KERNELS=1: the steps between cycles in two launches (kernels/pipeline_handoff.py)
+        self._kernels = None
+        if self.cuda and os.environ.get("SPARKCHAT_PIPELINE_KERNELS", "0") == "1":
+            from sparkchat.engine.kernels import pipeline_handoff  # Triton: only where a GPU runs it
+
+            self._kernels = pipeline_handoff
         H = model.cfg.hidden_size
-        self._offsets = torch.arange(k + 2, dtype=torch.long, device=dev)
         self._drafts = torch.zeros(SLOTS, k, dtype=torch.long, device=dev)
         self._accepted = torch.zeros(SLOTS, 1, dtype=torch.long, device=dev)
         self._next = torch.zeros(SLOTS, 1, dtype=torch.long, device=dev)
         self._hidden = torch.zeros(SLOTS, k + 1, H, dtype=model.embed.dtype, device=dev)
+        self._result_dev = torch.zeros(SLOTS, k + 2, dtype=torch.long, device=dev)
         self._result = torch.zeros(SLOTS, k + 2, dtype=torch.long, pin_memory=self.cuda)
         # per slot: draft chain start, chain end, verify + acceptance end, results on the host
         self._events = [[torch.cuda.Event(enable_timing=i < 3) for i in range(4)] for _ in range(SLOTS)] \
@@ -116,29 +168,14 @@ class SpeculativePipeline:
         # draft j+1 where j < accepted, the target's next token at j = accepted (and past it: ignored)
         c = self.steps.buffers("draft_chain", k + 1, self._chain_buckets(n + k), False, n, chain=k, pick=True,
                                sampling=self.sampling)
-        c.ids[:k].copy_(self._drafts[prev.slot])
-        c.ids[k:].copy_(nxt)
-        c.ids.scatter_(0, accepted, nxt)
-        torch.add(self._offsets[:k + 1], n, out=c.pos[:k + 1])
-        torch.add(self._offsets[1:k], accepted, out=c.pos[k + 1:]).add_(n + 1)  # drafts 2..k after the pick
-        if self.fill:
-            # the slots past the accepted one repeat its token and hidden state: their MoE then mostly
-            # routes to its experts, reading fewer other experts' weights (causal: the rest is unchanged)
-            past = self._offsets[:k + 1] > accepted
-            c.ids.copy_(torch.where(past, nxt, c.ids))
-            torch.index_select(self._hidden[prev.slot], 0, torch.minimum(self._offsets[:k + 1], accepted),
-                               out=c.hidden_in)
-        else:
-            c.hidden_in.copy_(self._hidden[prev.slot])
-        c.pick.copy_(accepted)
-        cycle = self._begin(n, pipelined=True)
-        drafts = self._draft(cycle, c)
         # the verify's positions start right after the accepted ones; its capture (once per bucket)
         # runs past every position this cycle may commit
         v = self.steps.buffers("target", k + 1, bucket_for(n + 2 * k + 2, st.max_context), True, n + k + 1)
-        v.ids[:1].copy_(nxt)
-        v.ids[1:].copy_(drafts)
-        torch.add(self._offsets[:k + 1], accepted, out=v.pos).add_(n + 1)
+        fill = self._kernels.next_inputs if self._kernels else next_inputs_ops
+        fill(self._drafts[prev.slot], accepted, nxt, self._hidden[prev.slot], n, c.ids, c.pos, c.pick, c.hidden_in,
+             v.ids[:1], v.pos, self.fill)
+        cycle = self._begin(n, pipelined=True)
+        v.ids[1:].copy_(self._draft(cycle, c))
         return self._verify(cycle, v)
 
     def _chain_buckets(self, last_slot: int) -> tuple[int, ...]:
@@ -171,23 +208,21 @@ class SpeculativePipeline:
         """Launch the verify whose buffers are filled, then the greedy acceptance on the device: the
         drafts' leading run that matches the target's picks, and the target's pick after it."""
         t0 = time.perf_counter()
-        s, k = cycle.slot, self.k
+        s = cycle.slot
         hidden, logits, cycle.kept = self.steps.launch(v)
         if self.sampling is not None:
             p = probabilities(logits, self.sampling)
             decided = speculative_accept_on_device(p, self._q[s], self._drafts[s], self.gen)
             self._accepted[s].copy_(decided[:1])
             self._next[s].copy_(decided[1:])
+            torch.cat([self._drafts[s], self._accepted[s], self._next[s]], out=self._result_dev[s])
         else:
-            target = logits.argmax(-1)
-            matched = (self._drafts[s] == target[:k]).long().cumprod(0)
-            torch.sum(matched, 0, keepdim=True, out=self._accepted[s])
-            torch.gather(target, 0, self._accepted[s], out=self._next[s])
+            accept = self._kernels.accept_greedy if self._kernels else accept_greedy_ops
+            accept(self._drafts[s], logits.argmax(-1), self._accepted[s], self._next[s], self._result_dev[s])
         self._hidden[s].copy_(hidden)
         if self._events:
             self._events[s][2].record()
-        out = torch.cat([self._drafts[s], self._accepted[s], self._next[s]])
-        self._result[s].copy_(out, non_blocking=True)
+        self._result[s].copy_(self._result_dev[s], non_blocking=True)
         if self._events:
             self._events[s][3].record()
         cycle.t_host = cycle.t_draft + time.perf_counter() - t0
