@@ -2,7 +2,7 @@
 # The GPU runs waiting for a development GPU, as named batches, so a lent machine starts on them at once.
 #
 #   bash benchmarks/gpu_queue.sh wheels        # here (with package registries): the wheels the GPU box lacks
-#   bash benchmarks/gpu_queue.sh quick|qbench|gemvs|verify|pipeline|sampled|handoff|race|first|ab|tests|configs|bench|load   # on the GPU box, logs under $OUT (default ./gpu-out)
+#   bash benchmarks/gpu_queue.sh quick|qbench|gemvs|verify|pipeline|sampled|handoff|decode|race|first|ab|tests|configs|bench|load   # on the GPU box, logs under $OUT (default ./gpu-out)
 #
 # The GPU box has torch, triton and transformers, but not this project's other dependencies, nor the
 # transformers the tiny test models need (5.24), and it cannot fetch: `wheels` downloads them into .whl2/
@@ -113,6 +113,17 @@ handoff() {
         | tee "$OUT/loop-kernels.txt"
 }
 
+# Plain decoding (no MTP) pipelined, SPARKCHAT_DECODE_PIPELINE=1 (engine/decode_pipeline.py, CPU-checked in
+# session 29): its GPU engine test, then the real plain loop with it on and off, greedy and sampled.
+decode() {
+    tiny_models || return 1
+    timeout 150 python3 -m pytest -q -x tests/test_gpu_engine.py -k "plain_decoding" 2>&1 | tee "$OUT/engine.txt" | tail -5
+    timeout 170 python3 benchmarks/profile_step.py --loop-switch SPARKCHAT_DECODE_PIPELINE --loop-drafts 0 2>&1 \
+        | tee "$OUT/loop-decode.txt"
+    timeout 150 python3 benchmarks/profile_step.py --loop-switch SPARKCHAT_DECODE_PIPELINE --loop-drafts 0 \
+        --loop-temperature 0.7 --loop-rounds 2 2>&1 | tee "$OUT/loop-decode-sampled.txt"
+}
+
 # `sparkchat bench` with the defaults (the headline row and the Spark projection) and the GPU engine
 # tests (greedy tokens as the CPU reference's, the MTP loop lossless).
 qbench() {
@@ -196,6 +207,6 @@ load() {  # the checkpoint reader to the GPU: mmap vs plain reads, and the page 
 
 case "${1:-}" in
     wheels) wheels ;;
-    quick|qbench|gemvs|verify|pipeline|sampled|handoff|race|first|ab|tests|configs|bench|load) install_wheels; "$1" ;;
-    *) echo "usage: $0 wheels|quick|qbench|gemvs|verify|pipeline|sampled|handoff|race|first|ab|tests|configs|bench|load" >&2; exit 2 ;;
+    quick|qbench|gemvs|verify|pipeline|sampled|handoff|decode|race|first|ab|tests|configs|bench|load) install_wheels; "$1" ;;
+    *) echo "usage: $0 wheels|quick|qbench|gemvs|verify|pipeline|sampled|handoff|decode|race|first|ab|tests|configs|bench|load" >&2; exit 2 ;;
 esac

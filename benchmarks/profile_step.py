@@ -23,8 +23,8 @@ stream, or joined only after the routed experts): what each part costs on the st
 with PDL and the side stream hiding what they can. The outputs are wrong, the times not.
 With --loop-switch NAME it alternates one environment switch in the real speculative loop
 (generate_tokens, greedy, 3 drafts, the 32K-row draft head, a 1000-token prompt) and prints the
-time a cycle (with --loop-temperature T it samples at T); with --loop-sampling it alternates greedy and
-sampled (temperature 0.7) decoding there.
+time a cycle (with --loop-temperature T it samples at T; with --loop-drafts 0 it decodes without MTP,
+a step a cycle); with --loop-sampling it alternates greedy and sampled (temperature 0.7) decoding there.
 """
 
 from __future__ import annotations
@@ -61,6 +61,7 @@ def main() -> None:
     ap.add_argument("--loop-sampling", action="store_true", help="the real MTP loop greedy and sampled, alternated")
     ap.add_argument("--loop-temperature", type=float, default=0.0, help="--loop-switch: sample at this temperature")
     ap.add_argument("--loop-rounds", type=int, default=3, help="--loop-switch/--loop-sampling: rounds of on, off")
+    ap.add_argument("--loop-drafts", type=int, default=3, help="--loop-switch: drafts a cycle (0: plain decoding)")
     args = ap.parse_args()
     for switch in args.switch or ():  # a bad spec fails now, not after the model is built
         switch_variants(switch)
@@ -81,7 +82,8 @@ def main() -> None:
         knockout(model, state)
         return
     if args.loop_switch:
-        alternate_loop(model, state, args.loop_switch, args.loop_rounds, temperature=args.loop_temperature)
+        alternate_loop(model, state, args.loop_switch, args.loop_rounds, temperature=args.loop_temperature,
+                       drafts=args.loop_drafts)
         return
     if args.loop_sampling:
         alternate_loop(model, state, None, args.loop_rounds)
@@ -420,9 +422,10 @@ def knockout(model, state: ConversationState, rounds: int = 2) -> None:
 
 
 def alternate_loop(model, state: ConversationState, name: str | None, rounds: int = 3, rows: int = 32768,
-                   temperature: float = 0.0) -> None:
+                   temperature: float = 0.0, drafts: int = 3) -> None:
     """The real speculative loop (bench's loop line, more tokens) with one switch on, off, on, off...,
-    greedy or sampled at `temperature`; name None: greedy, then sampled at temperature 0.7."""
+    greedy or sampled at `temperature`, `drafts` a cycle (0: plain decoding, a step a cycle); name None:
+    greedy, then sampled at temperature 0.7."""
     import os
 
     from sparkchat.engine.bench import _loop_cycle
@@ -435,7 +438,7 @@ def alternate_loop(model, state: ConversationState, name: str | None, rounds: in
             else:
                 os.environ[name] = value
                 label = f"{name}={value}" + (f" (temperature {temperature})" if temperature else "")
-            cycle, per_cycle, gap = _loop_cycle(model, state, 1000, 3, True, tokens=160, temperature=temperature)
+            cycle, per_cycle, gap = _loop_cycle(model, state, 1000, drafts, True, tokens=160, temperature=temperature)
             print(f"{label}  MTP loop: {1000 * cycle:.3f} ms a cycle, {per_cycle:.2f} tokens a cycle, "
                   f"{1000 * gap:.3f} ms of it between a verify's end and the next draft's start", flush=True)
     model.lm_head.set_draft_rows(None)

@@ -267,6 +267,35 @@ def test_pipelined_loop_matches_the_synced_loop(model_dirs, monkeypatch, truncat
         assert torch.allclose(state1[name].float(), state0[name].float(), atol=1e-2, rtol=1e-2), name
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_pipelined_plain_decoding_matches_the_synced_steps(model_dirs, monkeypatch, temperature):
+    """Without MTP, SPARKCHAT_DECODE_PIPELINE=1 (each graphed step queued before the host reads the one
+    before, its token picked on the GPU): the synced loop's tokens from one seed, and the state holds one
+    token more, the answer's last (the queued step ran it), its KDA and MLA states those of the synced
+    state after one more step of that token."""
+    from sparkchat.engine.events import SamplingParams
+    from sparkchat.engine.generate import Decoder
+    from sparkchat.engine.session import Engine
+
+    engine = Engine.load(model_dirs["random"], device="cuda", dtype="bfloat16", max_context=512,
+                         quantize_experts=True)
+    sampling = SamplingParams(temperature=temperature, seed=3, max_tokens=40, ignore_eos=True)
+    runs = {}
+    for pipelined in ("0", "1"):
+        monkeypatch.setenv("SPARKCHAT_DECODE_PIPELINE", pipelined)
+        tokens, _ = _greedy(engine, list(range(5, 60)), sampling=sampling, mtp=False, fp8_head=True,
+                            mxfp4_kernels=True, cuda_graphs=True)
+        if pipelined == "0":  # the step the pipelined answer's queued step made
+            Decoder(engine.model, engine.state, engine._graphs).forward([tokens[-1]])
+            engine.state.token_ids.append(tokens[-1])
+        torch.cuda.synchronize()
+        runs[pipelined] = tokens, engine.state.snapshot(), list(engine.state.token_ids)
+    (synced, state0, ids0), (piped, state1, ids1) = runs["0"], runs["1"]
+    assert piped == synced and len(piped) == 40 and ids1 == ids0
+    for name in state0:
+        assert torch.equal(state1[name], state0[name]), name
+
+
 @pytest.mark.parametrize("truncated", [False, True])
 def test_sampled_drafts_in_one_graph(model_dirs, monkeypatch, truncated):
     """Sampled MTP (temperature 0.8, top-p 0.95) with the drafts drawn inside the chain graph: the verify

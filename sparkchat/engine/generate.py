@@ -20,6 +20,7 @@ from threading import Event
 
 import torch
 
+from sparkchat.engine.decode_pipeline import DecodePipeline
 from sparkchat.engine.events import GenerationStats, SamplingParams
 from sparkchat.engine.model import LingModel
 from sparkchat.engine.nn.mla import Span
@@ -325,6 +326,10 @@ def generate_tokens(model: LingModel, state: ConversationState, new_ids: list[in
     pipe = SpeculativePipeline(model, state, graphs, draft_steps, params, gen) \
         if use_mtp and _pipelined(graphs) else None
     inflight = before = None  # the queued cycle the host has not read; the pipeline's cycle read last
+    # without MTP, SPARKCHAT_DECODE_PIPELINE=1: each step queued before the host reads the one before it
+    plain_steps = DecodePipeline(model, state, graphs, params, gen) \
+        if not use_mtp and os.environ.get("SPARKCHAT_DECODE_PIPELINE", "0") == "1" else None
+    queued_step = None  # the slot of a queued step whose token the host has not read
     first = emit([pending])
     yield first
     if first.finish_reason:
@@ -354,6 +359,12 @@ def generate_tokens(model: LingModel, state: ConversationState, new_ids: list[in
                 spec.count(accepted)
                 pending = nxt
                 out = emit(drafts[:accepted] + [nxt])
+            elif k == 0 and plain_steps is not None:
+                slot = queued_step if queued_step is not None else plain_steps.queue(n, token=pending)
+                queued_step = plain_steps.queue(n + 1, after=slot) if plain_steps.fits(n + 1) else None
+                dec.commit([pending])
+                pending = plain_steps.collect(slot)
+                out = emit([pending])
             elif k == 0:
                 _, logits, _ = dec.forward([pending])
                 dec.commit([pending])
@@ -408,3 +419,5 @@ def generate_tokens(model: LingModel, state: ConversationState, new_ids: list[in
     finally:
         if inflight is not None:  # the answer ended with a cycle still queued: nothing of it is kept
             pipe.drop(inflight)
+        if queued_step is not None:  # a queued step ran the last token: the state keeps it (decode_pipeline.py)
+            dec.commit([pending])
