@@ -73,10 +73,11 @@ def test_bench_command_prints_the_table_as_json(tmp_path, capsys):
     assert out["loop_cycle_ms"] > 0 and out["loop_tokens_per_cycle"] >= 1
     assert out["loop_tpot_ms"] == pytest.approx(out["loop_cycle_ms"] / out["accept_length"])
     assert out["loop_gap_ms"] is None  # a GPU's measure: between a verify's end and the next chain's start
+    assert out["decode_loop_ms"] > 0  # plain decoding as it runs, a token at a time
     assert main(["bench", "--config", str(cfg_path), "--device", "cpu", "--context", "16", "--iters", "2"]) == 0
     text = capsys.readouterr().out
     assert "projection, not a measurement" in text and "half the experts repeated" in text
-    assert "the MTP loop as it runs" in text
+    assert "the MTP loop as it runs" in text and "the decode loop as it runs, without MTP" in text
     # a prompt longer than the context: the model is built with room for it
     assert main(["bench", "--config", str(cfg_path), "--device", "cpu", "--context", "16", "--iters", "1",
                  "--prefill", "80", "--json"]) == 0

@@ -239,6 +239,12 @@ def format_table(r: dict) -> str:
                      f"(the parts above: {parts:.2f} ms{_gap(r)}); at "
                      f"accept length {r['accept_length']:.2f}: {r['loop_tpot_ms']:.2f} ms a token = "
                      f"{1000 / r['loop_tpot_ms']:.1f} tok/s")
+    if r.get("decode_loop_ms") is not None:
+        head = next((row for row in r["rows"] if row["name"].startswith("+ FP8 LM head")), None)
+        beside = "" if head is None else \
+            f" (the FP8 head row, its step replayed back to back: {head['tpot_ms']:.2f} ms)"
+        lines.append(f"the decode loop as it runs, without MTP (step, pick, stream): {r['decode_loop_ms']:.2f} ms a "
+                     f"token = {1000 / r['decode_loop_ms']:.1f} tok/s{beside}")
     if r.get("draft_vocab") is not None:
         lines.append(f"draft head top {r['draft_vocab']:,} tokens: {r['draft_head_bytes'] / 1e6:.1f} MB per draft "
                      f"step, draft step {r['draft_step_ms']:.2f} ms; full head {r['draft_head_full_bytes'] / 1e6:.1f} MB, "

@@ -83,7 +83,7 @@ async def test_bench_on_the_loaded_tiny_model(make_app, tiny_engine, monkeypatch
         await pilot.press("ctrl+r")
         await wait_for(pilot, lambda: screen.result is not None, timeout=120, what="the bench")
         assert not app.bench_running and accept_calls == [2]
-        assert steps == [(i, 8) for i in range(1, 9)]  # accept, bandwidth, the head alone, 3 rows, MTP, the loop
+        assert steps == [(i, 9) for i in range(1, 10)]  # accept, BW, head, 3 rows, MTP, loops
         rows = table_rows(screen)
         assert len(rows) == 4 and rows[3][0] == "+ MTP ×2"
         for row in rows:

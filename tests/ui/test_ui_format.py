@@ -108,3 +108,6 @@ def test_the_bench_footnote_gives_the_loop_gap_where_a_gpu_measured_it():
                     loop_tpot_ms=1.81)
     assert "verify end → next draft" not in BenchScreen._footnote(None, r)  # off a GPU: not measured
     assert "verify end → next draft on the GPU 0.31 ms" in BenchScreen._footnote(None, replace(r, loop_gap_ms=0.31))
+    assert "without MTP" not in BenchScreen._footnote(None, r)
+    assert "the decode loop as it runs, without MTP: 2.41 ms a token" in BenchScreen._footnote(
+        None, replace(r, decode_loop_ms=2.41))

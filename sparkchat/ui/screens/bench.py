@@ -105,7 +105,7 @@ def run_plan(plan: BenchPlan, say: Say) -> tuple[Any, str]:
             source = f"model {engine.name}"
             has_mtp = model.mtp is not None
             measure = plan.measure_accept and has_mtp
-            steps.total = int(measure) + 5 + 2 * int(has_mtp)  # the head alone, 3 rows; MTP: its parts, the loop
+            steps.total = int(measure) + 6 + 2 * int(has_mtp)  # head alone, 3 rows, decode loop; MTP: 2 more
             saved = replace(engine.switches)
             if measure:
                 from sparkchat.cli.bench import measure_accept_length
@@ -116,7 +116,7 @@ def run_plan(plan: BenchPlan, say: Say) -> tuple[Any, str]:
                 rows = engine.draft_rows(plan.draft_vocab)  # the engine's own top-N, as `sparkchat bench`
         else:
             cfg, device, dtype, source = _synthetic_setup(plan)
-            steps.total = 1 + 5 + 2 * int(cfg.has_mtp)
+            steps.total = 1 + 6 + 2 * int(cfg.has_mtp)
             steps.next("building synthetic weights")
             from sparkchat.engine.synthetic import build_synthetic
 
@@ -518,6 +518,8 @@ class BenchScreen(Screen[None]):
                              f"accept length {r.accept_length:.2f}"
                              + ("" if r.loop_gap_ms is None else
                                 f" · verify end → next draft on the GPU {number(r.loop_gap_ms)} ms"))
+            if r.decode_loop_ms is not None:
+                lines.append(f"the decode loop as it runs, without MTP: {number(r.decode_loop_ms)} ms a token")
             first = ""
             if r.first_step_s is not None:
                 first = f" · first fast step {number(r.first_step_s)} s"
