@@ -3,11 +3,12 @@ the cycle before it accepted.
 
 In the synced loop the GPU idles at every cycle while the host wakes from its wait, reads the verify's
 picks, accepts, commits, and launches the next draft chain and the next verify (the verify graph's
-launch alone outlasts the chain it queues behind): 0.6 ms of a 5.5 ms cycle on an H100 (docs/benchmarks.md,
-session 29). Here the acceptance runs on the GPU too (greedy: the drafts' leading run that matches the
-target's picks; sampled: sampling.speculative_accept_on_device, the drafts drawn inside the chain graph,
-in the synced loop's order of draws, so a seed gives its tokens), so everything a cycle needs from the one before —
-how many drafts it accepted, the token after them, the verify's hidden states — stays on the device:
+launch alone outlasts the chain it queues behind): 0.6 ms of a 5.5 ms cycle on an H100
+(docs/benchmarks.md, session 29). Here the acceptance runs on the GPU too (greedy: the drafts' leading
+run that matches the target's picks; sampled: sampling.speculative_accept_on_device, the drafts drawn
+inside the chain graph, in the synced loop's order of draws, so a seed gives its tokens), so everything
+a cycle needs from the one before — how many drafts it accepted, the token after them, the verify's
+hidden states — stays on the device:
 
     cycle i:  draft chain → verify → accept (a_i, next_i; a copy to the host, an event)
     cycle i+1, queued before the host reads cycle i:
@@ -18,7 +19,8 @@ The catch-up always runs over k+1 slots; the slots past a_i hold the rejected dr
 rewritten before anything attends to them (attention is causal and the next catch-up starts at the
 first of them). Positions past a_i are filled on the device, so attention reads the context bucket of
 the furthest position a cycle may reach. When the host finds a stop token in cycle i, cycle i+1 is
-dropped: its only lasting effect, the commit of cycle i, is the one the synced loop makes too.
+dropped: its verify's conv states are put back, and what stays, the commit of cycle i, is the one the
+synced loop makes too.
 
 The steps are StepGraphs' CUDA graphs, their input buffers filled on the device; off a GPU the same
 buffers run eagerly (graphs.EagerSteps), which is how the tests hold both loops to the same tokens.
@@ -93,7 +95,6 @@ class Cycle:
     slot: int
     base: int  # its MTP catch-up's first slot: where the MTP cache goes back to if it is dropped
     kept: dict  # the verify's kept KDA steps (graph buffers: committed by the next cycle, on the device)
-    pipelined: bool  # queued from the cycle before's device results (else from the host's)
     t_host: float = 0.0  # off a GPU: the seconds its draft chain and verify took (they ran as queued)
     t_draft: float = 0.0
 
@@ -149,7 +150,7 @@ class SpeculativePipeline:
         c.ids.copy_(torch.tensor(st.token_ids[m + 1:n] + [pending]), non_blocking=True)
         c.pos.copy_(torch.arange(m, m + T + k - 1), non_blocking=True)
         c.hidden_in.copy_(st.hidden[m:n])
-        cycle = self._begin(m, pipelined=False)
+        cycle = self._begin(m)
         drafts = self._draft(cycle, c)
         v = self.steps.buffers("target", k + 1, bucket_for(n + k + 1, st.max_context), True, n)
         v.ids[:1].fill_(pending)
@@ -174,7 +175,7 @@ class SpeculativePipeline:
         fill = self._kernels.next_inputs if self._kernels else next_inputs_ops
         fill(self._drafts[prev.slot], accepted, nxt, self._hidden[prev.slot], n, c.ids, c.pos, c.pick, c.hidden_in,
              v.ids[:1], v.pos, self.fill)
-        cycle = self._begin(n, pipelined=True)
+        cycle = self._begin(n)
         v.ids[1:].copy_(self._draft(cycle, c))
         return self._verify(cycle, v)
 
@@ -183,10 +184,10 @@ class SpeculativePipeline:
         up to position last_slot + j at most."""
         return tuple(bucket_for(last_slot + 1 + j, self.state.max_context) for j in range(self.k))
 
-    def _begin(self, start: int, pipelined: bool) -> Cycle:
+    def _begin(self, base: int) -> Cycle:
         slot = self._count % SLOTS
         self._count += 1
-        return Cycle(slot, start, {}, pipelined)
+        return Cycle(slot, base, {})
 
     def _draft(self, cycle: Cycle, c) -> torch.Tensor:
         t0 = time.perf_counter()
