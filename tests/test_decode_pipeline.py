@@ -91,3 +91,13 @@ def test_at_the_context_end_the_last_steps_are_synced(model, monkeypatch):
     piped, p_reason, p_state = _answer(model, monkeypatch, True, context=context)
     assert piped == synced and reason == p_reason == "length" and len(piped) < 40
     _same_state(p_state, s_state)  # no step was queued past the last one the context holds
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_answers_of_one_and_two_tokens(model, monkeypatch, n):
+    """One token comes from the prompt alone: nothing is queued, the synced state; two: one step, and
+    the queued step after it ran the second token."""
+    synced, _, s_state = _answer(model, monkeypatch, False, n=n)
+    piped, _, p_state = _answer(model, monkeypatch, True, n=n)
+    assert piped == synced and len(piped) == n
+    _same_state(p_state, s_state if n == 1 else _with_token_run(model, s_state, synced[-1]))

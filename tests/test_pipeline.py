@@ -114,3 +114,14 @@ def test_filling_the_catch_ups_rejected_slots_changes_no_draft(models, monkeypat
     assert filled == plain and p_stats.accept_length_mean >= 2.0
     assert f_stats.accept_rate_per_position == p_stats.accept_rate_per_position
     _same_state(f_state, p_state)
+
+
+@pytest.mark.parametrize("n", [1, 2, 5])
+def test_answers_that_end_within_the_first_cycles(models, monkeypatch, n):
+    """max_tokens 1 (before any cycle), 2 (inside the first, the second already queued) and 5: the synced
+    loop's tokens and state."""
+    model = models["agreeing-draft"]
+    synced, _, s_reason, s_state = _answer(model, monkeypatch, pipelined=False, n=n)
+    piped, _, reason, p_state = _answer(model, monkeypatch, pipelined=True, n=n)
+    assert piped == synced and len(piped) == n and reason == s_reason == "length"
+    _same_state(p_state, s_state)
