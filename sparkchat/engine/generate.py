@@ -270,6 +270,51 @@ class Decoder:
         return tokens, q
 
 
+def _synced_cycle(dec: Decoder, pending: int, k: int, params: SamplingParams, gen: torch.Generator | None,
+                  queued_verify: bool, st: GenerationStats) -> tuple[list[int], int, int]:
+    """One speculative cycle the host waits on before the next: k drafts after `pending`, the verify,
+    the acceptance, the KDA commit queued. Returns (the drafts, how many were accepted, the next token);
+    adds the draft's, the verify's and the GPU gap's time to `st`."""
+    t_d = time.perf_counter()
+    queued = queued_verify and dec.chain_ok(k)
+    greedy_chain = queued and params.temperature <= 0
+    if greedy_chain:
+        drafts, target, kept, drafting = dec.draft_and_verify(pending, k)
+        st.draft_s += drafting
+        st.host_gap_s += dec.host_gap()
+        t_v = t_d + drafting  # verify_s (below) takes the rest of the cycle
+    elif queued:
+        on_device, q, logits, kept, host = dec.sample_and_verify(pending, k, params, gen)
+        p = probabilities(logits, params)
+        decided = speculative_accept_on_device(p, q, on_device, gen)
+        *drafts, accepted, nxt = torch.cat([on_device, decided]).tolist()  # the cycle's one wait
+        drafting = dec.chain_time(host)
+        st.draft_s += drafting
+        st.host_gap_s += dec.host_gap()
+        t_v = t_d + drafting
+    else:
+        drafts, q = dec.draft(pending, k, params, gen)
+        _sync(dec.device)
+        t_v = time.perf_counter()
+        st.draft_s += t_v - t_d
+        hidden, logits, kept = dec.forward([pending] + drafts, keep_steps=True)
+    if params.temperature > 0 and not queued:
+        p = probabilities(logits, params)
+        accepted, nxt = speculative_accept(p, q, torch.tensor(drafts, device=dec.device), gen)
+    elif params.temperature <= 0:
+        if not greedy_chain:
+            target = logits.argmax(-1).tolist()
+        accepted = 0
+        while accepted < k and drafts[accepted] == target[accepted]:
+            accepted += 1
+        nxt = target[accepted]
+    # no sync after it: the GPU advances the KDA states while the host gets the next draft ready
+    # (stream order keeps them in turn)
+    dec.state.commit_kda(kept, accepted)
+    st.verify_s += time.perf_counter() - t_v
+    return drafts, accepted, nxt
+
+
 def generate_tokens(model: LingModel, state: ConversationState, new_ids: list[int], params: SamplingParams,
                     stop_ids: set[int], *, mtp: bool = False, draft_steps: int = 3,
                     cancel: Event | None = None, stats: GenerationStats | None = None,
@@ -346,20 +391,7 @@ def generate_tokens(model: LingModel, state: ConversationState, new_ids: list[in
                 return
             if use_mtp and n + k + 1 > state.max_context:
                 k = 0
-            if k and pipe is not None and (inflight is not None or graphs is None or dec.chain_ok(k)):
-                cycle = inflight or pipe.first(pending)
-                inflight = pipe.next(cycle) if pipe.fits() else None  # queued before `cycle` is read
-                drafts, accepted, nxt = pipe.collect(cycle, next_queued=inflight is not None)
-                drafting, verifying, gap = pipe.timings(cycle, before)
-                before = cycle
-                st.draft_s += drafting
-                st.verify_s += verifying
-                st.host_gap_s += gap
-                dec.commit([pending] + drafts[:accepted])
-                spec.count(accepted)
-                pending = nxt
-                out = emit(drafts[:accepted] + [nxt])
-            elif k == 0 and plain_steps is not None:
+            if k == 0 and plain_steps is not None:
                 slot = queued_step if queued_step is not None else plain_steps.queue(n, token=pending)
                 queued_step = plain_steps.queue(n + 1, after=slot) if plain_steps.fits(n + 1) else None
                 dec.commit([pending])
@@ -371,45 +403,20 @@ def generate_tokens(model: LingModel, state: ConversationState, new_ids: list[in
                 pending = int(sample(logits, params, gen)[0])
                 out = emit([pending])
             else:
-                before = None
-                t_d = time.perf_counter()
-                queued = queued_verify and dec.chain_ok(k)
-                greedy_chain = queued and params.temperature <= 0
-                if greedy_chain:
-                    drafts, target, kept, drafting = dec.draft_and_verify(pending, k)
+                if pipe is not None and (inflight is not None or graphs is None or dec.chain_ok(k)):
+                    cycle = inflight or pipe.first(pending)
+                    inflight = pipe.next(cycle) if pipe.fits() else None  # queued before `cycle` is read
+                    drafts, accepted, nxt = pipe.collect(cycle, next_queued=inflight is not None)
+                    drafting, verifying, gap = pipe.timings(cycle, before)
+                    before = cycle
                     st.draft_s += drafting
-                    st.host_gap_s += dec.host_gap()
-                    t_v = t_d + drafting  # verify_s (below) takes the rest of the cycle
-                elif queued:
-                    on_device, q, logits, kept, host = dec.sample_and_verify(pending, k, params, gen)
-                    p = probabilities(logits, params)
-                    decided = speculative_accept_on_device(p, q, on_device, gen)
-                    *drafts, accepted, nxt = torch.cat([on_device, decided]).tolist()  # the cycle's one wait
-                    drafting = dec.chain_time(host)
-                    st.draft_s += drafting
-                    st.host_gap_s += dec.host_gap()
-                    t_v = t_d + drafting
+                    st.verify_s += verifying
+                    st.host_gap_s += gap
                 else:
-                    drafts, q = dec.draft(pending, k, params, gen)
-                    _sync(device)
-                    t_v = time.perf_counter()
-                    st.draft_s += t_v - t_d
-                    hidden, logits, kept = dec.forward([pending] + drafts, keep_steps=True)
-                if params.temperature > 0 and not queued:
-                    p = probabilities(logits, params)
-                    accepted, nxt = speculative_accept(p, q, torch.tensor(drafts, device=device), gen)
-                elif params.temperature <= 0:
-                    if not greedy_chain:
-                        target = logits.argmax(-1).tolist()
-                    accepted = 0
-                    while accepted < k and drafts[accepted] == target[accepted]:
-                        accepted += 1
-                    nxt = target[accepted]
-                # commit positions pending, d_1..d_accepted; drop the rest. No sync after it: the GPU
-                # advances the KDA states while the host gets the next draft ready (stream order keeps them in turn)
-                state.commit_kda(kept, accepted)
+                    before = None
+                    drafts, accepted, nxt = _synced_cycle(dec, pending, k, params, gen, queued_verify, st)
+                # commit positions pending, d_1..d_accepted; drop the rest
                 dec.commit([pending] + drafts[:accepted])
-                st.verify_s += time.perf_counter() - t_v
                 spec.count(accepted)
                 pending = nxt
                 out = emit(drafts[:accepted] + [nxt])
