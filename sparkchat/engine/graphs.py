@@ -44,15 +44,15 @@ class _Captured:
     out: tuple[Any, ...]
     noise: torch.Tensor | None = None  # a sampled chain's uniform draws [k, draft rows], refilled per replay
     pick: torch.Tensor | None = None  # int64 [1]: the catch-up slot a chain drafts from (None: its last)
-    how: tuple[Any, ...] = ()  # (kind, bucket, keep_steps, chain, sampling): what run_step runs
+    how: tuple[Any, ...] = ()  # EagerSteps: (kind, bucket, keep_steps, chain, sampling) for run_step
 
 
 def run_step(m: LingModel, state: ConversationState, kind: str, c: _Captured, bucket: int | tuple[int, ...],
              keep_steps: bool, chain: int = 0, sampling: SamplingParams | None = None) -> tuple[Any, ...]:
     """One step over c's input buffers (what a graph captures; run as is, the eager twin of its replay);
-    a draft chain takes a bucket per draft (its catch-up's first), as replays step by
-    step would: attention's splits follow the bucket, so the sums' order does too. A sampled chain
-    (`sampling`) draws each draft from its distribution and returns those too."""
+    a draft chain takes a bucket per draft (its catch-up's first), as replays step by step would:
+    attention's splits follow the bucket, so the sums' order does too. A sampled chain (`sampling`)
+    draws each draft from its distribution and returns those too."""
     if kind == "target":
         hidden, kept = m(c.ids, 0, state, keep_steps=keep_steps, span=Span(c.pos, bucket))
         return hidden, m.lm_head(hidden), kept
@@ -78,7 +78,6 @@ def run_step(m: LingModel, state: ConversationState, kind: str, c: _Captured, bu
             # a gather, not rows[best]: indexing by a 0-d tensor reads it on the host (no capture)
             tokens.append(best if rows is None else rows.index_select(0, best))
         return (torch.cat(tokens),) if sampling is None else (torch.cat(tokens), torch.stack(qs))
-
 
 
 def _step_inputs(model: LingModel, kind: str, T: int, start: int, chain: int = 0,
@@ -129,7 +128,6 @@ class StepGraphs:
     def _capture(self, kind: str, T: int, bucket: int | tuple[int, ...], keep_steps: bool, start: int,
                  chain: int = 0, sampling: SamplingParams | None = None, pick: bool = False) -> _Captured:
         c = _step_inputs(self.model, kind, T, start, chain, sampling, torch.cuda.CUDAGraph(), pick)
-        c.how = (kind, bucket, keep_steps, chain, sampling)
         saved = [(s.conv.clone(), s.recurrent.clone()) for s in self.state.kda.values()]
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
