@@ -2,7 +2,7 @@
 # The GPU runs waiting for a development GPU, as named batches, so a lent machine starts on them at once.
 #
 #   bash benchmarks/gpu_queue.sh wheels        # here (with package registries): the wheels the GPU box lacks
-#   bash benchmarks/gpu_queue.sh quick|qbench|gemvs|verify|pipeline|sampled|handoff|decode|race|first|ab|tests|configs|bench|load   # on the GPU box, logs under $OUT (default ./gpu-out)
+#   bash benchmarks/gpu_queue.sh quick|qbench|gemvs|verify|pipeline|sampled|handoff|decode|tails|race|first|ab|tests|configs|bench|load   # on the GPU box, logs under $OUT (default ./gpu-out)
 #
 # The GPU box has torch, triton and transformers, but not this project's other dependencies, nor the
 # transformers the tiny test models need (5.24), and it cannot fetch: `wheels` downloads them into .whl2/
@@ -124,6 +124,23 @@ decode() {
         --loop-temperature 0.7 --loop-rounds 2 2>&1 | tee "$OUT/loop-decode-sampled.txt"
 }
 
+# The verify's serial tails with every token at once (SPARKCHAT_TAIL_AT_ONCE, bits, CPU-checked in session
+# 30): 1 the output projection's fused add+norm (sm_90 SASS: 4 trips to L2 -> 1 in its row-block tail,
+# 126 -> 68 barriers, 96 -> 80 registers), 2 MoE stage 2's slot sum (4 trips -> 1), 4 KDA's output norm
+# (several trips -> 1). The kernels against the serial tails at the Ling shapes, the GPU path with all of
+# them on, then the graphed verify (and step) with each bit and all, and the verify's timeline with all.
+tails() {
+    timeout 200 python3 -m pytest -q tests/test_kernels.py tests/test_kda_kernel.py \
+        -k "at_once_gpu or fused_add_norm_matches or kda_kernel_on_cuda" 2>&1 | tail -3 | tee "$OUT/tails-tests.txt"
+    tiny_models || return 1
+    SPARKCHAT_TAIL_AT_ONCE=7 timeout 150 python3 -m pytest -q -x tests/test_gpu_engine.py -k "fast_path_matches or lossless" \
+        2>&1 | tail -3 | tee -a "$OUT/tails-tests.txt"
+    timeout 240 python3 benchmarks/profile_step.py --rounds 2 --switch SPARKCHAT_TAIL_AT_ONCE=1,2,4,7 2>&1 \
+        | tee "$OUT/ab-tails.txt"
+    SPARKCHAT_TAIL_AT_ONCE=7 timeout 100 python3 benchmarks/profile_step.py --timeline --sequence --tokens 4 2>&1 \
+        | tee "$OUT/timeline-verify-tails.txt"
+}
+
 # `sparkchat bench` with the defaults (the headline row and the Spark projection) and the GPU engine
 # tests (greedy tokens as the CPU reference's, the MTP loop lossless).
 qbench() {
@@ -207,6 +224,6 @@ load() {  # the checkpoint reader to the GPU: mmap vs plain reads, and the page 
 
 case "${1:-}" in
     wheels) wheels ;;
-    quick|qbench|gemvs|verify|pipeline|sampled|handoff|decode|race|first|ab|tests|configs|bench|load) install_wheels; "$1" ;;
-    *) echo "usage: $0 wheels|quick|qbench|gemvs|verify|pipeline|sampled|handoff|decode|race|first|ab|tests|configs|bench|load" >&2; exit 2 ;;
+    quick|qbench|gemvs|verify|pipeline|sampled|handoff|decode|tails|race|first|ab|tests|configs|bench|load) install_wheels; "$1" ;;
+    *) echo "usage: $0 wheels|quick|qbench|gemvs|verify|pipeline|sampled|handoff|decode|tails|race|first|ab|tests|configs|bench|load" >&2; exit 2 ;;
 esac

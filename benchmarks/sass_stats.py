@@ -14,6 +14,7 @@ their shared memory, MMA instruction and registers. Pointer arguments are marked
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import subprocess
 import sys
@@ -280,9 +281,10 @@ def router_sass(arch: int) -> list[str] | None:
     return compile_sass(r.route_kernel, sig, cx, r.ROUTE_WARPS, arch)
 
 
-def kda_step(arch: int, T: int = 1, programs: int = 4, warps: int = 4, keep: bool = False):
+def kda_step(arch: int, T: int = 1, programs: int = 4, warps: int = 4, keep: bool = False, norm_at_once: bool = False):
     """kda_decode_kernel compiled as a Ling KDA layer launches it (32 heads x 128, conv 4, bf16
-    projections, beta folded in, PDL) with `programs` a head of `warps` warps each: the compiled kernel."""
+    projections, beta folded in, PDL) with `programs` a head of `warps` warps each: the compiled kernel.
+    norm_at_once: the head's output norm loads every position's o first (SPARKCHAT_TAIL_AT_ONCE bit 4)."""
     from sparkchat.engine.kernels import kda_decode as kd
 
     sig = {name: "*bf16" for name in ("q_ptr", "k_ptr", "v_ptr", "f_ptr", "b_ptr", "og_ptr", "conv_ptr", "onw_ptr",
@@ -291,7 +293,8 @@ def kda_step(arch: int, T: int = 1, programs: int = 4, warps: int = 4, keep: boo
     sig.update({name: "i32" for name in ("s_q", "s_qc", "s_k", "s_kc", "s_v", "s_vc", "s_f", "s_fc", "s_b", "s_bc",
                                          "s_og", "s_ogc", "s_cv", "s_cvc", "s_w", "s_wc")})
     sig.update(q_scale="fp32", lower_bound="fp32", eps="fp32")
-    cx = dict(T=T, H=32, DH=128, KC=4, NB=programs, SAFE_GATE=True, KEEP=keep, FOLD_B=True, HID=H, BKH=512, PDL=True)
+    cx = dict(T=T, H=32, DH=128, KC=4, NB=programs, SAFE_GATE=True, KEEP=keep, FOLD_B=True, HID=H, BKH=512, PDL=True,
+              NORM_AT_ONCE=norm_at_once)
     return compile_kernel(kd.kda_decode_kernel, sig, cx, warps, arch)
 
 
@@ -385,6 +388,61 @@ def stack_frame(kernel, name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
+def verify_tails(arch: int, at_once: bool) -> dict[str, tuple[object, str]]:
+    """The 4-token verify's two kernels with a serial tail, as the engine launches them at the Ling shapes,
+    their tails one token after another or (at_once, SPARKCHAT_TAIL_AT_ONCE=3) every token at once:
+    {label: (compiled kernel, kernel name)} — the attention output projection with its fused add+norm
+    (the norm's fp16 and packed MoE forms too) and MoE stage 2 with its slot sum."""
+    from sparkchat.engine.kernels import fp8_gemv as g
+    from sparkchat.engine.kernels import mxfp4_moe as m
+
+    T, N, KO = 4, H, 4096
+    c = g.gemv_config("block", T, N, KO)
+    bk = min(c.bk, g._pow2(KO))
+    cx = dict(T=T, N=N, K=KO, BN=c.bn, RS=c.rs, BK=bk, UNROLL=c.unroll, SCALE=0, OUT=3, SPLIT=g._split_for(KO, bk, c.split),
+              PREFETCH=c.prefetch, ROW_ACC=c.row_acc, XS=0, XU=0, X_SWIGLU=False, PDL=True, KACC=g._kacc(c, bk),
+              XN_NSQ=0, XN_NSQP=1, INTERPRET=False, ADD_NORM=True, NORM_LAST=True, F16=True, MOE_X=True,
+              TAIL_AT_ONCE=at_once)
+    sig = dict(_GEMV_SIG, y_ptr="*fp32", cnt_ptr="*i32", res_ptr="*bf16", nw_ptr="*bf16", s_out_ptr="*bf16",
+               h_ptr="*bf16", ssq_ptr="*fp32", eps="fp32", h16_ptr="*fp16", hd_ptr="*fp32", hx_ptr="*bf16")
+    out = {"attention output projection + add + norm": (compile_kernel(g.fp8_gemv_kernel, sig, cx, c.warps, arch),
+                                                         "fp8_gemv_kernel")}
+    saved = os.environ.get("SPARKCHAT_TAIL_AT_ONCE")
+    os.environ["SPARKCHAT_TAIL_AT_ONCE"] = "3" if at_once else "0"  # as the engine plans it (register cap too)
+    try:
+        plan = m._plan(T, K, H, INTER, m.moe_config(T, H, INTER), True, x_packed=True)
+    finally:
+        if saved is None:
+            del os.environ["SPARKCHAT_TAIL_AT_ONCE"]
+        else:
+            os.environ["SPARKCHAT_TAIL_AT_ONCE"] = saved
+    fn = m.mxfp4_moe_stage2_vec_kernel if plan.vec2 else m.mxfp4_moe_stage2_kernel
+    meta = {**plan.meta2, "HAS_ADD": False, "PDL": True, "INTERPRET": False}
+    warps, maxnreg = meta.pop("num_warps"), meta.pop("maxnreg", None)
+    sig2 = dict(_STAGE2_SIG, act_ptr="*i32" if meta["ACT_PACKED"] else "*fp32")
+    out["moe stage 2 + slot sum"] = (compile_kernel(fn, sig2, meta, warps, arch, maxnreg=maxnreg), fn.__name__)
+    return out
+
+
+def load_trips_after(sass: list[str], atomics: int) -> int:
+    """How many separate runs of global loads (each followed by a store before the next run) come after
+    the `atomics`-th global atomic: a tail's trips to memory, one a token when each token's loads wait
+    for the stores before them."""
+    seen, trips, loading = 0, 0, False
+    for ins in sass:
+        op = _op(ins)
+        if op.startswith(("ATOMG", "RED")):
+            seen += 1
+            continue
+        if seen < atomics:
+            continue
+        if op.startswith("LDG") and not loading:
+            trips, loading = trips + 1, True
+        elif op.startswith("STG"):
+            loading = False
+    return trips
+
+
 def prompt_gemm(arch: int, M: int, N: int = 20480, K: int = 2560, smem: int | None = None):
     """(the prompt FP8 GEMM compiled for sm_<arch> with gemm_config's choice for M tokens, that config),
     shrunk to `smem` bytes of shared memory (default: the DGX Spark's 99 KB on sm_12x, the H200's 227 KB
@@ -444,6 +502,16 @@ def main() -> None:
                   f"{stack_frame(kernel, 'kda_decode_kernel')} bytes of stack{size}")
         for label, (regs, stack) in split_norm_kernels(arch).items():  # SPARKCHAT_MOE_ADD_NORM=2 and the like
             print(f"  split norm: {label}: {regs} registers, {stack} bytes of stack")
+        for at_once in (False, True):  # SPARKCHAT_TAIL_AT_ONCE: the verify's serial tails
+            kernels = dict(verify_tails(arch, at_once))
+            kernels["kda layer, output norm"] = (kda_step(arch, 4, 4, 4, keep=True, norm_at_once=at_once),
+                                                 "kda_decode_kernel")
+            for label, (kernel, name) in kernels.items():
+                sass = disassemble(kernel, name)
+                trips = "" if sass is None else (f", {load_trips_after(sass, 1)} runs of loads after its first "
+                                                 f"atomic, {sum('BAR' in i for i in sass)} barriers")
+                print(f"  verify T=4 {label}, tail {'at once' if at_once else 'token by token'}: "
+                      f"{registers(kernel, name)} registers, {stack_frame(kernel, name)} bytes of stack{trips}")
         report("route_kernel (whole kernel, one warp)", router_sass(arch))
         kernel, weights = mma_gemv(arch)
         ptx = kernel.asm["ptx"]

@@ -13,6 +13,7 @@ data movement: exact everywhere. Perturbing one gate input, one beta or one norm
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import pytest
 import torch
@@ -156,11 +157,21 @@ def run_all(device: str, real: bool = True) -> None:
     # the check has teeth: the kernel fed a nudged gate input, beta or norm weight must not pass
     for perturb, case in (("gate", CASES[4]), ("beta", CASES[2]), ("norm", CASES[0])):
         assert compare(case, device, perturb=perturb), f"a perturbed {perturb} went unnoticed"
+    # SPARKCHAT_TAIL_AT_ONCE=4: a head's last program loads every position's o before it stores any
+    # (the output norm of value columns split over programs): the same outputs and states to the bit
+    for case in (CASES[7], CASES[11]):
+        T, H, DH, safe, keep, nb, K, dtype = case
+        runs = []
+        for bits in ("0", "4"):
+            os.environ["SPARKCHAT_TAIL_AT_ONCE"] = bits
+            x, (conv, rec), w = make_inputs(T, H, DH, K, dtype, device, seed=3)
+            out = kda_decode(*x, conv, rec, *w, H, DH, safe, -5.0 if safe else 5.0, 1e-6, keep, False, dv_blocks=nb)
+            runs.append((out[0], out[1], conv, rec))
+        os.environ["SPARKCHAT_TAIL_AT_ONCE"] = "0"
+        assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True)), case
     # past MAX_TOKENS keeping steps, past PROMPT_WINDOWS_MAX_TOKENS, and with the windows switched off,
     # it hands over to the twin: the same results exactly (the plain twin: an earlier test may have left
     # ops.kda_core compiled, which rounds differently)
-    import os
-
     from sparkchat.engine.kernels import kda_decode as module
     from sparkchat.engine.nn.ops import ops
     ops.kda_core = kda_core

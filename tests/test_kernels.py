@@ -378,6 +378,44 @@ def test_fused_add_norm_matches_two_launches_gpu(T, monkeypatch):
 
 
 @gpu
+@pytest.mark.parametrize("T", [2, 4, 5])
+def test_verify_tails_with_every_token_at_once_gpu(T, monkeypatch):
+    """SPARKCHAT_TAIL_AT_ONCE=3 at the Ling shapes with the engine's configs: the output projection's
+    add+norm gives the same s and the norm but for the squares' order, with its fp16 and packed forms
+    of the h it wrote; MoE stage 2's slot sum the very output, the shared expert's output added; the
+    arrival counters back at zero."""
+    from sparkchat.engine.kernels import fp8_gemv
+    from sparkchat.engine.kernels.counters import arrival_counters
+    from sparkchat.engine.kernels.mxfp4_layout import permute_words_
+    from sparkchat.engine.kernels.mxfp4_moe import mxfp4_moe, pack_moe_x
+    gen = torch.Generator().manual_seed(31 + T)
+    w, si = make_fp8(2560, 4096, "cuda", gen)
+    nw = (torch.rand(2560, generator=gen) + 0.5).bfloat16().cuda()
+    w13, s13, w2, s2 = make_experts(40, 2560, 768, "cuda", gen)
+    a13, a2 = permute_words_(w13.clone()), permute_words_(w2.clone())
+    for _ in range(2):
+        x = torch.randn(T, 4096, generator=gen).bfloat16().cuda()
+        res = (torch.randn(T, 2560, generator=gen) * 2).bfloat16().cuda()
+        xm = torch.randn(T, 2560, generator=gen).bfloat16().cuda()
+        ids, wts = make_routing(T, 8, 40, 2, gen)
+        ids, wts = ids.cuda(), wts.cuda()
+        add = torch.randn(T, 2560, generator=gen).bfloat16().cuda()
+        got = {}
+        for bits in ("0", "3"):
+            monkeypatch.setenv("SPARKCHAT_TAIL_AT_ONCE", bits)
+            got[bits] = (*fp8_gemv.fp8_block_gemv_add_norm(x, w, si, res, nw, 1e-6, moe_x=True),
+                         mxfp4_moe(xm, ids, wts, a13, s13, a2, s2, 4.0, paired=True, x_packed=pack_moe_x(xm),
+                                   add=add))
+        (s0, h0, y0), (s1, h1, y1) = got["0"], got["3"]
+        assert torch.equal(s1, s0) and torch.equal(y1, y0)
+        assert (h1 == h0).float().mean().item() > 0.99 and rel_err(h1, h0) < 1e-2
+        assert torch.equal(h1.moe_x, pack_moe_x(h1))
+        h16, hd = fp8_gemv.f16_block_acts(h1)
+        assert torch.equal(h1.f16_acts[0], h16) and torch.equal(h1.f16_acts[1], hd)
+    assert arrival_counters("gemv_add_norm", w.device, 1).eq(0).all()
+
+
+@gpu
 def test_moe_input_norm_finished_by_the_router_gpu():
     """SPARKCHAT_SPLIT_MOE_INPUT_NORM=1 at the Ling shapes with the engine's configs: KDA's output
     projection writes s and its sums of squares, the shared expert's gate|up applies the norm without
@@ -688,6 +726,87 @@ _ADD_NORM_ADD_SCRIPT = textwrap.dedent("""
 def test_add_norm_adding_a_second_output_under_triton_interpreter():
     """add_rms_norm's `add` (the shared expert's output, SPARKCHAT_SHARED_ADD_LATE) is the add done first."""
     _run_interpreted(_ADD_NORM_ADD_SCRIPT)
+
+
+_TAIL_AT_ONCE_SCRIPT = textwrap.dedent("""
+    import os
+    import torch
+    from sparkchat.engine.kernels import reference as ref
+    from sparkchat.engine.kernels.fp8_gemv import GemvConfig, f16_block_acts, fp8_block_gemv_add_norm
+    from sparkchat.engine.kernels.mxfp4_moe import pack_moe_x
+    from sparkchat.engine.nn.ops import add_rms_norm
+    from tests.test_kernels import make_fp8, rel_err
+    gen = torch.Generator().manual_seed(21)
+    K = 256
+    # N 640: two 512-column chunks, the second part masked; 1152: three; T up to 5 (padded to 8 tokens)
+    for N, T, cfg in ((640, 2, GemvConfig(bn=32, rs=1, bk=128, split=2, row_acc=True)),
+                      (640, 4, GemvConfig(bn=32, rs=1, bk=64, split=4, row_acc=True)),
+                      (1152, 3, GemvConfig(bn=16, rs=2, bk=128, split=1)),
+                      (640, 5, GemvConfig(bn=8, rs=1, bk=256, split=1, row_acc=True))):
+        w, si = make_fp8(N, K, gen=gen)
+        x = torch.randn(T, K, generator=gen).bfloat16()
+        res = (torch.randn(T, N, generator=gen) * 2).bfloat16()
+        nw = (torch.rand(N, generator=gen) + 0.5).bfloat16()
+        got = {}
+        for at_once in ("0", "1"):
+            os.environ["SPARKCHAT_TAIL_AT_ONCE"] = at_once
+            got[at_once] = fp8_block_gemv_add_norm(x, w, si, res, nw, 1e-6, config=cfg, moe_x=True)
+        (s0, h0), (s1, h1) = got["0"], got["1"]
+        assert torch.equal(s1, s0), (N, T)  # the same sum, added and rounded the same way
+        # the norm but for the order in which the squares add
+        assert (h1 == h0).float().mean().item() > 0.99 and rel_err(h1, h0) < 1e-2, (N, T)
+        s_ref, h_ref = add_rms_norm(res, ref.fp8_block_gemv_reference(x, w, si), nw, 1e-6)
+        assert rel_err(s1, s_ref) < 1e-2 and rel_err(h1, h_ref) < 1e-2, (N, T)
+        # its other forms are of the h written
+        assert torch.equal(h1.moe_x, pack_moe_x(h1)), (N, T)
+        h16, hd = f16_block_acts(h1)
+        assert torch.equal(h1.f16_acts[0], h16) and torch.equal(h1.f16_acts[1], hd), (N, T)
+        # a wrong norm weight is seen
+        os.environ["SPARKCHAT_TAIL_AT_ONCE"] = "1"
+        assert rel_err(fp8_block_gemv_add_norm(x, w, si, res, nw * 2, 1e-6, config=cfg)[1], h1) > 0.5
+    # MoE stage 2's slot sum (bit 2): the same sums in the same order, so the same output to the bit,
+    # with the shared expert's output added (`add`) or made by stage 2's own programs (`shared`)
+    import dataclasses
+    from sparkchat.engine.kernels.mxfp4_moe import MoeConfig, SharedExpert, mxfp4_moe, pack_moe_x
+    from sparkchat.engine.nn.moe import swiglu
+    from tests.test_kernels import make_experts, make_routing
+    H, I, E, K = 64, 32, 6, 4
+    w13, s13, w2, s2 = make_experts(E, H, I, gen=gen)
+    gu_w, gu_s = make_fp8(256, H, gen=gen)
+    dn_w, dn_s = make_fp8(H, I, gen=gen)
+    sh = SharedExpert(gu_w, gu_s, 128, dn_w, dn_s, 0.5)
+    packed = MoeConfig(bn1=8, rs1=1, bkw1=4, bn2=16, rs2=2, bkw2=4, dedupe=False, packed=True, packed_act=True,
+                       vec1=True, vec2=True)
+    # the 16-byte stages with the shared expert's down in stage 2; the k-loop stages (deduplicated
+    # experts, two row tiles a program) with its output added
+    for T, cfg, mode in ((3, packed, "shared"), (5, MoeConfig(bn1=8, rs1=1, bkw1=4, bn2=8, rs2=2, bkw2=4), "add")):
+        ids, wts = make_routing(T, K, E, 1, gen)
+        x = torch.randn(T, H, generator=gen).bfloat16()
+        gu = ref.fp8_block_gemv_reference(x, gu_w, gu_s)
+        y_sh = ref.fp8_block_gemv_reference(swiglu(gu[:, :I].float(), gu[:, 128:128 + I].float(), 0.5).bfloat16(),
+                                            dn_w, dn_s)
+        kw = dict(config=cfg, x_packed=pack_moe_x(x) if cfg.packed else None)
+        kw.update(dict(shared=sh, shared_gate_up=gu, join=lambda: None) if mode == "shared" else dict(add=y_sh))
+        outs = {}
+        for bits in ("0", "2"):
+            os.environ["SPARKCHAT_TAIL_AT_ONCE"] = bits
+            outs[bits] = mxfp4_moe(x, ids, wts, w13, s13, w2, s2, 0.02, **kw)
+        # (the packed configs' products round to bf16: 1-1.5% from the fp32 twin at these sizes)
+        want = ref.mxfp4_moe_reference(x, ids, wts, w13, s13, w2, s2, 0.02) + y_sh
+        assert rel_err(outs["2"], want) < 3e-2, (T, mode)
+        assert torch.equal(outs["2"], outs["0"]), (T, mode)
+    os.environ["SPARKCHAT_TAIL_AT_ONCE"] = "0"
+    print("interpreter ok")
+""")
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+def test_add_norm_tail_with_every_token_at_once_under_triton_interpreter():
+    """SPARKCHAT_TAIL_AT_ONCE: the verify's fused add+norm tail over all tokens in the same tiles (bit 1)
+    gives the one-token-after-another tail's s bit for bit, its norm but for the squares' order, and the
+    norm's fp16 and packed MoE forms of the h it wrote (masked chunk ends, 2-5 tokens, split-K or not);
+    MoE stage 2's slot sum so (bit 2) gives the very output, with the shared expert added or run inside."""
+    _run_interpreted(_TAIL_AT_ONCE_SCRIPT)
 
 
 _MOE_X_SCRIPT = textwrap.dedent("""

@@ -279,3 +279,48 @@ def test_kda_layer_compiles_without_spills_as_launched(arch):
     for T, keep in ((1, False), (4, True)):
         kernel = s.kda_step(arch, T, *LAUNCH, keep=keep)
         assert s.stack_frame(kernel, "kda_decode_kernel") in (0, None), (T, s.stack_frame(kernel, "kda_decode_kernel"))
+
+
+@pytest.mark.parametrize("arch", [90, 121])
+def test_verify_tails_with_every_token_at_once_make_one_trip(arch):
+    """SPARKCHAT_TAIL_AT_ONCE=3 at the 4-token verify's shapes: the output projection's row-block tail
+    and stage 2's slot sum load every token's data in one run before storing (one after another: a run
+    a token), the norm's sums take fewer barriers, and neither kernel takes more registers or a stack
+    (the output projection needs fewer: its norm no longer holds a token's five chunks at once)."""
+    s = _tools()
+    serial, at_once = s.verify_tails(arch, False), s.verify_tails(arch, True)
+    for label, (kernel, name) in at_once.items():
+        before = serial[label][0]
+        assert s.stack_frame(kernel, name) in (0, None), (label, s.stack_frame(kernel, name))
+        assert s.registers(kernel, name) <= s.registers(before, name), label
+        sass, sass_before = s.disassemble(kernel, name), s.disassemble(before, name)
+        if sass is None:  # cuobjdump cannot read this architecture: compiled, not counted
+            continue
+        # the row-block tail's trips: those after the first atomic less those after the second (the norm's)
+        trips = s.load_trips_after(sass, 1) - s.load_trips_after(sass, 2)
+        trips_before = s.load_trips_after(sass_before, 1) - s.load_trips_after(sass_before, 2)
+        assert (trips, trips_before) == (1, 4), (label, trips, trips_before)
+        bars, bars_before = (sum("BAR" in i for i in x) for x in (sass, sass_before))
+        assert bars <= bars_before, (label, bars, bars_before)
+    out, name = at_once["attention output projection + add + norm"]
+    if arch == 90:
+        assert s.registers(out, name) < s.registers(serial["attention output projection + add + norm"][0], name)
+        bars = sum("BAR" in i for i in s.disassemble(out, name))
+        assert bars < sum("BAR" in i for i in s.disassemble(serial["attention output projection + add + norm"][0],
+                                                             name)) * 2 // 3
+
+
+@pytest.mark.parametrize("arch", [90, 121])
+def test_kda_output_norm_with_every_position_at_once_makes_one_trip(arch):
+    """SPARKCHAT_TAIL_AT_ONCE=4 in the 4-token verify's KDA layer: the head's last program loads every
+    position's o before storing any (one run of loads after its arrival atomic, where one position after
+    another takes several), with the same registers and no stack."""
+    s = _tools()
+    serial = s.kda_step(arch, 4, 4, 4, keep=True)
+    at_once = s.kda_step(arch, 4, 4, 4, keep=True, norm_at_once=True)
+    name = "kda_decode_kernel"
+    assert s.stack_frame(at_once, name) in (0, None)
+    assert s.registers(at_once, name) <= s.registers(serial, name)
+    sass, sass_before = s.disassemble(at_once, name), s.disassemble(serial, name)
+    if sass is not None:
+        assert s.load_trips_after(sass, 1) == 1 < s.load_trips_after(sass_before, 1)

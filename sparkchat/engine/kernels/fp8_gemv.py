@@ -24,7 +24,7 @@ import triton.language as tl
 
 from sparkchat.engine.kernels.counters import arrival_counters
 from sparkchat.engine.kernels.device import interpreting
-from sparkchat.engine.kernels.norm_rows import SCALE_BLOCK, _norm_rows, norm_rows_kernel
+from sparkchat.engine.kernels.norm_rows import SCALE_BLOCK, _norm_rows, norm_rows_kernel, tail_at_once
 from sparkchat.engine.kernels.overrides import field_overrides
 from sparkchat.engine.kernels.packed_acts import _store_packed
 from sparkchat.engine.kernels.pdl import pdl_args, pdl_wait
@@ -165,6 +165,7 @@ def fp8_gemv_kernel(
     KACC: tl.constexpr = 0,  # > 0: [BN, KACC] accumulators (_gemv_step)
     ADD_NORM: tl.constexpr = False,  # OUT 3: then the residual add and RMSNorm (_add_norm_tail)
     NORM_LAST: tl.constexpr = True,  # ADD_NORM: also the norm itself (else s and the sums of squares only)
+    TAIL_AT_ONCE: tl.constexpr = False,  # ADD_NORM, T > 1: the tail takes every token at once
     cnt_ptr=None, res_ptr=None, nw_ptr=None, s_out_ptr=None, h_ptr=None, ssq_ptr=None, eps=0.0,
     h16_ptr=None, hd_ptr=None, F16: tl.constexpr = False, hx_ptr=None, MOE_X: tl.constexpr = False,
     INTERPRET: tl.constexpr = False,
@@ -256,7 +257,7 @@ def fp8_gemv_kernel(
             tl.store(pidx_ptr + t * NP + pid, bi)
     if ADD_NORM:
         _add_norm_tail(y_ptr, cnt_ptr, res_ptr, nw_ptr, s_out_ptr, h_ptr, ssq_ptr, eps, h16_ptr, hd_ptr, hx_ptr,
-                       pid, r0, sub, T, N, BN, RS, SPLIT, F16, MOE_X, INTERPRET, NORM_LAST)
+                       pid, r0, sub, T, N, BN, RS, SPLIT, F16, MOE_X, INTERPRET, NORM_LAST, TAIL_AT_ONCE)
 
 
 @triton.jit
@@ -373,7 +374,7 @@ def splitk_reduce_kernel(part_ptr, s_ptr, y_ptr, TN: tl.constexpr, N: tl.constex
 def _add_norm_tail(part_ptr, cnt_ptr, res_ptr, nw_ptr, s_out_ptr, h_ptr, ssq_ptr, eps, h16_ptr, hd_ptr, hx_ptr,
                    pid, r0, sub, T: tl.constexpr, N: tl.constexpr, BN: tl.constexpr, RS: tl.constexpr,
                    SPLIT: tl.constexpr, F16: tl.constexpr, MOE_X: tl.constexpr, INTERPRET: tl.constexpr,
-                   NORM_LAST: tl.constexpr = True):
+                   NORM_LAST: tl.constexpr = True, AT_ONCE: tl.constexpr = False):
     """splitk_add_norm_kernel's work, done by the GEMV's own programs so that the output projection and
     the add+norm after it are one launch. The last split of each row block to finish (arrival counter
     pid) sums its rows' partials in split order, adds the residual (s = bf16(residual + bf16(y))) and
@@ -381,39 +382,73 @@ def _add_norm_tail(part_ptr, cnt_ptr, res_ptr, nw_ptr, s_out_ptr, h_ptr, ssq_ptr
     into h = w * bf16(s * rsqrt(mean(s²) + eps)) for all N columns (and h's F16 / MOE_X forms). Both
     counters are reset by the program that reads them. Same roundings as the two-launch path; only the
     order in which the squares are summed differs. NORM_LAST False: s and the sums of squares only, the
-    norm left to its readers (SplitNorm)."""
+    norm left to its readers (SplitNorm). AT_ONCE (T > 1): both steps take every token in the same tiles,
+    all loads before any store (_split_rows_at_once, _norm_rows_at_once), not one token after another."""
     NP: tl.constexpr = (N + RS * BN - 1) // (RS * BN)  # row blocks
     tl.debug_barrier()  # this program's partial stores -> the release below
     done = tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel", scope="gpu")
     if done == SPLIT - 1:
         tl.debug_barrier()
         NSQ: tl.constexpr = NP * RS
-        for t in tl.static_range(T):
-            for r in tl.static_range(RS):
-                rows = r0 + r * BN + sub
-                m = rows < N
-                y = _split_sum(part_ptr, t, rows, m, T, N, SPLIT)
-                res = tl.load(res_ptr + t * N + rows, mask=m, other=0.0).to(tl.float32)
-                sv = (res + y.to(tl.bfloat16).to(tl.float32)).to(tl.bfloat16)
-                tl.store(s_out_ptr + t * N + rows, sv, mask=m)
-                sf = sv.to(tl.float32)
-                tl.store(ssq_ptr + t * NSQ + pid * RS + r, tl.sum(sf * sf, axis=0))
+        if AT_ONCE and T > 1:
+            _split_rows_at_once(part_ptr, res_ptr, s_out_ptr, ssq_ptr, pid, r0, sub, T, N, BN, RS, SPLIT, NSQ)
+        else:
+            for t in tl.static_range(T):
+                for r in tl.static_range(RS):
+                    rows = r0 + r * BN + sub
+                    m = rows < N
+                    y = _split_sum(part_ptr, t, rows, m, T, N, SPLIT)
+                    res = tl.load(res_ptr + t * N + rows, mask=m, other=0.0).to(tl.float32)
+                    sv = (res + y.to(tl.bfloat16).to(tl.float32)).to(tl.bfloat16)
+                    tl.store(s_out_ptr + t * N + rows, sv, mask=m)
+                    sf = sv.to(tl.float32)
+                    tl.store(ssq_ptr + t * NSQ + pid * RS + r, tl.sum(sf * sf, axis=0))
         tl.store(cnt_ptr + pid, 0)
         if NORM_LAST:
             _add_norm_last(s_out_ptr, cnt_ptr, nw_ptr, h_ptr, ssq_ptr, eps, h16_ptr, hd_ptr, hx_ptr, NP, NSQ, T, N,
-                           F16, MOE_X, INTERPRET)
+                           F16, MOE_X, INTERPRET, AT_ONCE)
+
+
+@triton.jit
+def _split_rows_at_once(part_ptr, res_ptr, s_out_ptr, ssq_ptr, pid, r0, sub, T: tl.constexpr, N: tl.constexpr,
+                        BN: tl.constexpr, RS: tl.constexpr, SPLIT: tl.constexpr, NSQ: tl.constexpr):
+    """_add_norm_tail's row-block step for every token in [TP, BN] tiles: each row tile's partials (added
+    in split order) and residual loaded for all tokens before any store, s and its sums of squares
+    written after. The same s; the squares may add in another order."""
+    TP: tl.constexpr = 2 if T <= 2 else (4 if T <= 4 else 8)
+    tt = tl.arange(0, TP)
+    tm = tt < T
+    ys = ()
+    rs = ()
+    for r in tl.static_range(RS):
+        rows = r0 + r * BN + sub
+        m = tm[:, None] & (rows < N)[None, :]
+        y = tl.load(part_ptr + tt[:, None] * N + rows[None, :], mask=m, other=0.0, cache_modifier=".cg")
+        for p in tl.static_range(1, SPLIT):
+            y += tl.load(part_ptr + (p * T + tt[:, None]) * N + rows[None, :], mask=m, other=0.0,
+                         cache_modifier=".cg")
+        ys = ys + (y,)
+        rs = rs + (tl.load(res_ptr + tt[:, None] * N + rows[None, :], mask=m, other=0.0),)
+    for r in tl.static_range(RS):
+        rows = r0 + r * BN + sub
+        m = tm[:, None] & (rows < N)[None, :]
+        sv = (rs[r].to(tl.float32) + ys[r].to(tl.bfloat16).to(tl.float32)).to(tl.bfloat16)
+        tl.store(s_out_ptr + tt[:, None] * N + rows[None, :], sv, mask=m)
+        sf = sv.to(tl.float32)
+        tl.store(ssq_ptr + tt * NSQ + pid * RS + r, tl.sum(sf * sf, axis=1), mask=tm)
 
 
 @triton.jit
 def _add_norm_last(s_out_ptr, cnt_ptr, nw_ptr, h_ptr, ssq_ptr, eps, h16_ptr, hd_ptr, hx_ptr, NP: tl.constexpr,
                    NSQ: tl.constexpr, T: tl.constexpr, N: tl.constexpr, F16: tl.constexpr, MOE_X: tl.constexpr,
-                   INTERPRET: tl.constexpr):
+                   INTERPRET: tl.constexpr, AT_ONCE: tl.constexpr = False):
     """_add_norm_tail's end: the last row block to finish (counter NP) norms all N columns."""
     tl.debug_barrier()  # s and the sums of squares -> the release below
     last = tl.atomic_add(cnt_ptr + NP, 1, sem="acq_rel", scope="gpu")
     if last == NP - 1:
         tl.debug_barrier()
-        _norm_rows(s_out_ptr, ssq_ptr, nw_ptr, h_ptr, eps, h16_ptr, hd_ptr, hx_ptr, NSQ, T, N, F16, MOE_X, INTERPRET)
+        _norm_rows(s_out_ptr, ssq_ptr, nw_ptr, h_ptr, eps, h16_ptr, hd_ptr, hx_ptr, NSQ, T, N, F16, MOE_X, INTERPRET,
+                   AT_ONCE)
         tl.store(cnt_ptr + NP, 0)
 
 
@@ -764,7 +799,7 @@ def fp8_block_gemv_add_norm(
     if not cfg.mma and T >= fused_add_norm_min_tokens() and fused_add_norm_enabled():  # one launch
         blocks = triton.cdiv(N, cfg.bn * cfg.rs)
         ssq = torch.empty(T, blocks * cfg.rs, dtype=torch.float32, device=x.device)
-        _gemv(x, w, scale_inv, part, part, part, 0, 3, cfg, bk, split, ADD_NORM=True,
+        _gemv(x, w, scale_inv, part, part, part, 0, 3, cfg, bk, split, ADD_NORM=True, TAIL_AT_ONCE=bool(tail_at_once() & 1),
               cnt_ptr=arrival_counters("gemv_add_norm", x.device, blocks + 1), res_ptr=residual, nw_ptr=norm_w,
               s_out_ptr=s_out, h_ptr=h, ssq_ptr=ssq, eps=float(eps), **_f16_outputs(h), **_moe_x_output(h, moe_x))
         return s_out, h

@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from sparkchat.engine.kernels.counters import arrival_counters
+from sparkchat.engine.kernels.norm_rows import tail_at_once
 from sparkchat.engine.kernels.pdl import pdl_args, pdl_wait
 
 MAX_TOKENS = 8  # longer non-chunked steps go to the torch twin, or (no kept steps) to windows of ≤ 8
@@ -129,7 +130,7 @@ def kda_decode_kernel(
     SAFE_GATE: tl.constexpr, KEEP: tl.constexpr,
     bx_ptr=None, bw_ptr=None,  # FOLD_B: the layer input [T, HID] and b_proj's weight [H, HID], contiguous
     FOLD_B: tl.constexpr = False, HID: tl.constexpr = 1, BKH: tl.constexpr = 1,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = False, NORM_AT_ONCE: tl.constexpr = False,
 ):
     """Program (h, b): head h, value columns [b*DH/NB, (b+1)*DH/NB) of its state (the delta rule never
     mixes value columns). The output norm needs the head's whole o: with NB > 1 each program stores its
@@ -244,11 +245,19 @@ def kda_decode_kernel(
         if tl.atomic_add(cnt_ptr + h, 1, sem="acq_rel", scope="gpu") == NB - 1:
             _store_conv_state(conv_ptr, s_cv, (c + i) * s_cvc, cq, nq, T, KC)
             _store_conv_state(conv_ptr, s_cv, (D + c + i) * s_cvc, ck, nk, T, KC)
-            for t in tl.static_range(T):
-                op = o_ptr + t * D + c + jj
-                O = tl.load(op, cache_modifier=".cg").to(tl.float32)
-                O = O * (1.0 / tl.sqrt(tl.sum(O * O, axis=0) / DH + eps))
-                tl.store(op, _round(onw * O * tl.sigmoid(ogs[t]), odt).to(odt))
+            if NORM_AT_ONCE:  # every position's o loaded before any is stored: one trip to L2, not T
+                os_ = ()
+                for t in tl.static_range(T):
+                    os_ = os_ + (tl.load(o_ptr + t * D + c + jj, cache_modifier=".cg").to(tl.float32),)
+                for t in tl.static_range(T):
+                    O = os_[t] * (1.0 / tl.sqrt(tl.sum(os_[t] * os_[t], axis=0) / DH + eps))
+                    tl.store(o_ptr + t * D + c + jj, _round(onw * O * tl.sigmoid(ogs[t]), odt).to(odt))
+            else:
+                for t in tl.static_range(T):
+                    op = o_ptr + t * D + c + jj
+                    O = tl.load(op, cache_modifier=".cg").to(tl.float32)
+                    O = O * (1.0 / tl.sqrt(tl.sum(O * O, axis=0) / DH + eps))
+                    tl.store(op, _round(onw * O * tl.sigmoid(ogs[t]), odt).to(odt))
             tl.atomic_xchg(cnt_ptr + h, 0)  # ready for the next launch
 
 
@@ -303,7 +312,7 @@ def kda_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tenso
         conv_state.stride(0), conv_state.stride(1), conv_w.stride(0), conv_w.stride(1),
         float(head_dim ** -0.5), float(lower_bound), float(eps),
         T=T, H=heads, DH=head_dim, KC=K, NB=dv_blocks, SAFE_GATE=bool(safe_gate), KEEP=bool(keep_steps),
-        num_warps=num_warps, **fold, **pdl_args(q.device))
+        NORM_AT_ONCE=T > 1 and bool(tail_at_once() & 4), num_warps=num_warps, **fold, **pdl_args(q.device))
     return o, window, steps
 
 

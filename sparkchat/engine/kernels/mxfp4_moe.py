@@ -47,7 +47,7 @@ import triton.language as tl
 
 from sparkchat.engine.kernels.counters import arrival_counters
 from sparkchat.engine.kernels.device import interpreting
-from sparkchat.engine.kernels.norm_rows import _norm_rows
+from sparkchat.engine.kernels.norm_rows import _norm_rows, tail_at_once
 from sparkchat.engine.kernels.overrides import field_overrides
 from sparkchat.engine.kernels.packed_acts import _HI16, _X_SCALE, _bf16_round, _store_packed
 from sparkchat.engine.kernels.pdl import pdl_args, pdl_wait
@@ -513,7 +513,7 @@ def mxfp4_moe_stage2_kernel(
     shw_ptr=None, shs_ptr=None, sha_ptr=None, sh_limit=0.0, SHARED: tl.constexpr = 0, SH_BK: tl.constexpr = 0,
     SH_GU: tl.constexpr = 0, SH_ROW: tl.constexpr = 0,
     res_ptr=None, nw_ptr=None, s_out_ptr=None, h_ptr=None, ssq_ptr=None, eps=0.0, h16_ptr=None, hd_ptr=None,
-    NORM: tl.constexpr = False, F16: tl.constexpr = False,
+    NORM: tl.constexpr = False, F16: tl.constexpr = False, SUM_AT_ONCE: tl.constexpr = False,
 ):
     """With PDL, the expert ids (written by the router, two or more kernels back) and the first step's
     weights are read before pdl_wait: the down weights start streaming during stage 1's tail.
@@ -537,7 +537,7 @@ def mxfp4_moe_stage2_kernel(
         _stage2_routed(act_ptr, ids_ptr, w2_ptr, s2_ptr, part_ptr, s, nb, rows, T, K, H, I, BN, RS, BKW, UNROLL, NT,
                        K_PAD, S_PAD, DEDUPE, PREFETCH, PACKED, INTERPRET, PDL, PAIRED, ACT_PACKED, PRELOAD)
     _sum_slots(part_ptr, cnt_ptr, y_ptr, add_ptr, nb, rows, T, K, H, RS, BN, HAS_ADD, SHARED,
-               (res_ptr, nw_ptr, s_out_ptr, h_ptr, ssq_ptr, eps, h16_ptr, hd_ptr), NORM, F16, INTERPRET)
+               (res_ptr, nw_ptr, s_out_ptr, h_ptr, ssq_ptr, eps, h16_ptr, hd_ptr), NORM, F16, INTERPRET, SUM_AT_ONCE)
 
 
 @triton.jit
@@ -580,7 +580,8 @@ def _stage2_routed(act_ptr, ids_ptr, w2_ptr, s2_ptr, part_ptr, s, nb, rows,
 @triton.jit
 def _sum_slots(part_ptr, cnt_ptr, y_ptr, add_ptr, nb, rows, T: tl.constexpr, K: tl.constexpr, H: tl.constexpr,
                RS: tl.constexpr, BN: tl.constexpr, HAS_ADD: tl.constexpr, SHARED: tl.constexpr = 0,
-               norm=(), NORM: tl.constexpr = False, F16: tl.constexpr = False, INTERPRET: tl.constexpr = False):
+               norm=(), NORM: tl.constexpr = False, F16: tl.constexpr = False, INTERPRET: tl.constexpr = False,
+               AT_ONCE: tl.constexpr = False):
     """Stage 2's end: the last of the T*K (+ SHARED) programs of row block nb (RS tiles of BN rows from
     `rows`) sums the slots' partials in slot order into y bf16, plus the shared expert's output (HAS_ADD:
     add_ptr; SHARED: part rows T*K + t, from the shared-expert programs), and resets the block's arrival
@@ -590,10 +591,18 @@ def _sum_slots(part_ptr, cnt_ptr, y_ptr, add_ptr, nb, rows, T: tl.constexpr, K: 
     block to finish (counter H / (RS*BN)) turns s into the norm's output for all H columns (and its F16
     form). norm = (residual, norm weight, s out, h out, sums of squares [T, H/BN], eps, h16, hd).
     NORM == 2: s and the sums of squares only; the GEMV reading the norm's output applies it as it loads s
-    (fp8_gemv's x_norm), with no serial last block here."""
+    (fp8_gemv's x_norm), with no serial last block here.
+    AT_ONCE (T > 1, no NORM): every token in the same [TP, BN] tiles, all loads before any store
+    (_sum_slots_at_once), not one token after another."""
     tl.debug_barrier()
     done = tl.atomic_add(cnt_ptr + nb, 1, sem="acq_rel", scope="gpu")
-    if done == T * K + SHARED - 1:
+    ONCE: tl.constexpr = AT_ONCE and T > 1 and not NORM
+    if ONCE:
+        if done == T * K + SHARED - 1:
+            tl.debug_barrier()
+            _sum_slots_at_once(part_ptr, y_ptr, add_ptr, rows, T, K, H, RS, BN, HAS_ADD, SHARED)
+            tl.store(cnt_ptr + nb, 0)  # ready for the next launch
+    elif done == T * K + SHARED - 1:
         tl.debug_barrier()
         for t in tl.static_range(T):
             for r in tl.static_range(RS):
@@ -622,6 +631,40 @@ def _sum_slots(part_ptr, cnt_ptr, y_ptr, add_ptr, nb, rows, T: tl.constexpr, K: 
                 _norm_rows(norm[2], norm[4], norm[1], norm[3], norm[5], norm[6], norm[7], None, H // BN, T, H, F16,
                            False, INTERPRET)
                 tl.store(cnt_ptr + NBLK, 0)
+
+
+@triton.jit
+def _sum_slots_at_once(part_ptr, y_ptr, add_ptr, rows, T: tl.constexpr, K: tl.constexpr, H: tl.constexpr,
+                       RS: tl.constexpr, BN: tl.constexpr, HAS_ADD: tl.constexpr, SHARED: tl.constexpr):
+    """_sum_slots' sum for every token at once: each row tile's slots (and shared outputs) loaded for all
+    tokens before any store, summed and rounded as _sum_slots does, then y written. Tokens padded to a
+    power of two are clamped to the last one (read twice, stored once), which keeps the loads unmasked."""
+    TP: tl.constexpr = 2 if T <= 2 else (4 if T <= 4 else 8)
+    tt = tl.minimum(tl.arange(0, TP), T - 1)
+    ys = ()
+    adds = ()
+    shs = ()
+    for r in tl.static_range(RS):
+        cols = rows[None, :] + r * BN
+        y = tl.zeros([TP, BN], dtype=tl.float32)
+        for k in tl.static_range(K):
+            y += tl.load(part_ptr + (tt[:, None] * K + k) * H + cols, cache_modifier=".cg")
+        ys = ys + (y,)
+        if HAS_ADD:
+            adds = adds + (tl.load(add_ptr + tt[:, None] * H + cols),)
+        if SHARED > 0:
+            shs = shs + (tl.load(part_ptr + (T * K + tt[:, None]) * H + cols, cache_modifier=".cg"),)
+    for r in tl.static_range(RS):
+        cols = rows[None, :] + r * BN
+        y = ys[r].to(tl.bfloat16)
+        if HAS_ADD:
+            y = (y.to(tl.float32) + adds[r].to(tl.float32)).to(tl.bfloat16)
+        if SHARED > 0:
+            y = (y.to(tl.float32) + shs[r]).to(tl.bfloat16)
+        if T == TP:
+            tl.store(y_ptr + tt[:, None] * H + cols, y)
+        else:
+            tl.store(y_ptr + tt[:, None] * H + cols, y, mask=(tl.arange(0, TP) < T)[:, None])
 
 
 @triton.jit
@@ -859,6 +902,7 @@ def mxfp4_moe_stage2_vec_kernel(
     SH_GU: tl.constexpr = 0, SH_ROW: tl.constexpr = 0,
     res_ptr=None, nw_ptr=None, s_out_ptr=None, h_ptr=None, ssq_ptr=None, eps=0.0, h16_ptr=None, hd_ptr=None,
     NORM: tl.constexpr = False, F16: tl.constexpr = False, TILE: tl.constexpr = True,
+    SUM_AT_ONCE: tl.constexpr = False,
 ):
     """Stage 2 for one token per program (row block nb of BN output rows, slot s) in 16-byte loads, as
     mxfp4_moe_stage1_vec_kernel: every step's down weights and scales are loaded, fenced, and only then
@@ -879,7 +923,7 @@ def mxfp4_moe_stage2_vec_kernel(
         _stage2_vec_routed(act_ptr, ids_ptr, w2_ptr, s2_ptr, part_ptr, s, rows, H, I, BN, BKW, INTERPRET, PDL,
                            PAIRED, ACT_PACKED, FENCE, TILE)
     _sum_slots(part_ptr, cnt_ptr, y_ptr, add_ptr, nb, rows, T, K, H, 1, BN, HAS_ADD, SHARED,
-               (res_ptr, nw_ptr, s_out_ptr, h_ptr, ssq_ptr, eps, h16_ptr, hd_ptr), NORM, F16, INTERPRET)
+               (res_ptr, nw_ptr, s_out_ptr, h_ptr, ssq_ptr, eps, h16_ptr, hd_ptr), NORM, F16, INTERPRET, SUM_AT_ONCE)
 
 
 @triton.jit
@@ -955,7 +999,9 @@ _VEC1: dict[tuple[int, int, int], dict] = {
 
 
 _SHARED_STAGE1_MAXNREG = 80  # stage 1's register cap when it runs the shared expert's gate|up too
-_SHARED_STAGE2_MAXNREG = 64  # stage 2's, when it runs the shared expert's down for several tokens
+_WINDOW_STAGE2_MAXNREG = 64  # stage 2's for several tokens when it runs the shared expert's down or sums
+# its slots for every token at once (66 registers uncapped, sm_90; capped, no stack): what the plain
+# one-warp program takes
 
 
 def moe_config(T: int, H: int, I: int, vec: int | None = None) -> MoeConfig:
@@ -1306,6 +1352,10 @@ def _plan(T: int, K: int, H: int, inter: int, cfg: MoeConfig, paired: bool = Fal
     else:
         meta2 = dict(common, BN=bn2, RS=rs2, BKW=bkw2, UNROLL=cfg.unroll2, num_warps=cfg.warps2,
                      PRELOAD=cfg.preload2 and cfg.packed)
+    if T > 1 and tail_at_once() & 2:
+        meta2.update(SUM_AT_ONCE=True, maxnreg=_WINDOW_STAGE2_MAXNREG)
+    else:
+        meta2.update(SUM_AT_ONCE=False)
     extra1 = extra2 = 0
     meta1.update(SHARED=0, SH_UP=0, SH_BK=0)
     meta2.update(SHARED=0, SH_BK=0, SH_GU=0, SH_ROW=0)
@@ -1329,7 +1379,7 @@ def _plan(T: int, K: int, H: int, inter: int, cfg: MoeConfig, paired: bool = Fal
                      SH_GU=0 if shared_stage1 else shared_up)
         meta2.update(SH_ROW=0 if shared_stage1 else shared_gate_up_row)
         if T > 1:  # the shared branch's T accumulators would take the one-warp programs from 64 registers to
-            meta2.setdefault("maxnreg", _SHARED_STAGE2_MAXNREG)  # 128 (sm_90), halving how many fit an SM
+            meta2.setdefault("maxnreg", _WINDOW_STAGE2_MAXNREG)  # 128 (sm_90), halving how many fit an SM
     return _Plan(grid1=(T * K + extra1, inter // (bn1 if vec1 else bn1 * rs1)),
                  grid2=(H // (bn2 * rs2), T * K + extra2),
                  meta1=meta1, meta2=meta2, vec1=vec1, vec2=vec2)
