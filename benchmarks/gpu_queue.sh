@@ -2,7 +2,7 @@
 # The GPU runs waiting for a development GPU, as named batches, so a lent machine starts on them at once.
 #
 #   bash benchmarks/gpu_queue.sh wheels        # here (with package registries): the wheels the GPU box lacks
-#   bash benchmarks/gpu_queue.sh quick|qbench|gemvs|verify|pipeline|sampled|handoff|decode|tails|race|first|ab|tests|configs|bench|load   # on the GPU box, logs under $OUT (default ./gpu-out)
+#   bash benchmarks/gpu_queue.sh quick|qbench|gemvs|verify|pipeline|sampled|handoff|decode|tails|oproj4|race|first|ab|tests|configs|bench|load   # on the GPU box, logs under $OUT (default ./gpu-out)
 #
 # The GPU box has torch, triton and transformers, but not this project's other dependencies, nor the
 # transformers the tiny test models need (5.24), and it cannot fetch: `wheels` downloads them into .whl2/
@@ -141,6 +141,17 @@ tails() {
         | tee "$OUT/timeline-verify-tails.txt"
 }
 
+# The 4-token output projection's k loop (block.4.2560.4096: 32-row tiles, 128-column steps, split 8,
+# per-row accumulators that cross warps at every step through shared memory, no prefetch: 4 dependent
+# DRAM trips a program) against [rows, 16] accumulators reduced once (92 registers, sm_90), the one-step
+# prefetch (96), and 16-row tiles in 256-column steps (92): in the graphed verify, the tails at once on
+# both sides (SPARKCHAT_TAIL_AT_ONCE=1, so what is timed is the loop).
+oproj4() {
+    SPARKCHAT_TAIL_AT_ONCE=1 timeout 400 python3 benchmarks/profile_step.py --rounds 2 \
+        --switch "SPARKCHAT_GEMV_CONFIG=block.4.2560.4096.row_acc:0/block.4.2560.4096.kacc:16,block.4.2560.4096.prefetch:1,block.4.2560.4096.bn:16/block.4.2560.4096.bk:256/block.4.2560.4096.row_acc:0/block.4.2560.4096.kacc:16" \
+        2>&1 | tee "$OUT/ab-oproj4.txt"
+}
+
 # `sparkchat bench` with the defaults (the headline row and the Spark projection) and the GPU engine
 # tests (greedy tokens as the CPU reference's, the MTP loop lossless).
 qbench() {
@@ -224,6 +235,6 @@ load() {  # the checkpoint reader to the GPU: mmap vs plain reads, and the page 
 
 case "${1:-}" in
     wheels) wheels ;;
-    quick|qbench|gemvs|verify|pipeline|sampled|handoff|decode|tails|race|first|ab|tests|configs|bench|load) install_wheels; "$1" ;;
-    *) echo "usage: $0 wheels|quick|qbench|gemvs|verify|pipeline|sampled|handoff|decode|tails|race|first|ab|tests|configs|bench|load" >&2; exit 2 ;;
+    quick|qbench|gemvs|verify|pipeline|sampled|handoff|decode|tails|oproj4|race|first|ab|tests|configs|bench|load) install_wheels; "$1" ;;
+    *) echo "usage: $0 wheels|quick|qbench|gemvs|verify|pipeline|sampled|handoff|decode|tails|oproj4|race|first|ab|tests|configs|bench|load" >&2; exit 2 ;;
 esac
