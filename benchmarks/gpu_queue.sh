@@ -2,7 +2,7 @@
 # The GPU runs waiting for a development GPU, as named batches, so a lent machine starts on them at once.
 #
 #   bash benchmarks/gpu_queue.sh wheels        # here (with package registries): the wheels the GPU box lacks
-#   bash benchmarks/gpu_queue.sh quick|qbench|gemvs|verify|pipeline|sampled|handoff|decode|tails|oproj4|race|first|ab|tests|configs|bench|load   # on the GPU box, logs under $OUT (default ./gpu-out)
+#   bash benchmarks/gpu_queue.sh quick|qbench|gemvs|verify|pipeline|sampled|handoff|decode|tails|reduce|oproj4|race|first|ab|tests|configs|bench|load   # on the GPU box, logs under $OUT (default ./gpu-out)
 #
 # The GPU box has torch, triton and transformers, but not this project's other dependencies, nor the
 # transformers the tiny test models need (5.24), and it cannot fetch: `wheels` downloads them into .whl2/
@@ -141,6 +141,25 @@ tails() {
         | tee "$OUT/timeline-verify-tails.txt"
 }
 
+# Split-K GEMVs summing their partials in their own last programs (SPARKCHAT_REDUCE_TAIL=1, CPU-checked in
+# session 30: the reduce kernel's very output under the interpreter, no register or shared-memory cost
+# in sm_90/sm_121 builds): the 4-token verify launches 86 reduce kernels (KDA's projection, the shared
+# gate|up), each exposed ~2.5 us on the H100. Its GPU test, the GPU path with it on, then the graphed
+# step and verify with it on and off.
+reduce() {
+    timeout 120 python3 -m pytest -q tests/test_kernels.py -k "last_programs_gpu or mma_gemv_gpu" 2>&1 | tail -3 \
+        | tee "$OUT/reduce-tests.txt"
+    tiny_models || return 1
+    SPARKCHAT_REDUCE_TAIL=1 timeout 150 python3 -m pytest -q -x tests/test_gpu_engine.py -k "fast_path_matches or lossless" \
+        2>&1 | tail -3 | tee -a "$OUT/reduce-tests.txt"
+    timeout 200 python3 benchmarks/profile_step.py --rounds 3 --switch SPARKCHAT_REDUCE_TAIL=1 2>&1 \
+        | tee "$OUT/ab-reduce.txt"
+    # one launch fewer between a GEMV and what reads its output: a kernel that reads it before its PDL
+    # wait, trusting it to be two launches back, would now race (session 28's lesson); replays show it
+    timeout 120 python3 benchmarks/race_check.py --replays 6 --tokens 1,4 --switch SPARKCHAT_REDUCE_TAIL=1 \
+        --switch SPARKCHAT_TAIL_AT_ONCE=7 2>&1 | tee "$OUT/race-reduce-tails.txt"
+}
+
 # The 4-token output projection's k loop (block.4.2560.4096: 32-row tiles, 128-column steps, split 8,
 # per-row accumulators that cross warps at every step through shared memory, no prefetch: 4 dependent
 # DRAM trips a program) against [rows, 16] accumulators reduced once (92 registers, sm_90), the one-step
@@ -235,6 +254,6 @@ load() {  # the checkpoint reader to the GPU: mmap vs plain reads, and the page 
 
 case "${1:-}" in
     wheels) wheels ;;
-    quick|qbench|gemvs|verify|pipeline|sampled|handoff|decode|tails|oproj4|race|first|ab|tests|configs|bench|load) install_wheels; "$1" ;;
-    *) echo "usage: $0 wheels|quick|qbench|gemvs|verify|pipeline|sampled|handoff|decode|tails|oproj4|race|first|ab|tests|configs|bench|load" >&2; exit 2 ;;
+    quick|qbench|gemvs|verify|pipeline|sampled|handoff|decode|tails|reduce|oproj4|race|first|ab|tests|configs|bench|load) install_wheels; "$1" ;;
+    *) echo "usage: $0 wheels|quick|qbench|gemvs|verify|pipeline|sampled|handoff|decode|tails|reduce|oproj4|race|first|ab|tests|configs|bench|load" >&2; exit 2 ;;
 esac

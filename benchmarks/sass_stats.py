@@ -298,15 +298,20 @@ def kda_step(arch: int, T: int = 1, programs: int = 4, warps: int = 4, keep: boo
     return compile_kernel(kd.kda_decode_kernel, sig, cx, warps, arch)
 
 
-def mma_gemv(arch: int) -> tuple[object, float]:
+def mma_gemv(arch: int, reduce_tail: bool = False) -> tuple[object, float]:
     """The tensor-core FP8 GEMV as a 4-token verify launches it for KDA's fused projection: (the
-    compiled kernel, weights a thread streams per k step)."""
+    compiled kernel, weights a thread streams per k step). reduce_tail: with its split-K sum in its last
+    programs (SPARKCHAT_REDUCE_TAIL=1)."""
     from sparkchat.engine.kernels import fp8_gemv as g
 
     cfg = g.gemv_config("block", 4, 20480, H)
-    cx = dict(T=4, N=20480, K=H, BM=cfg.bn, BK=cfg.bk, SCALE=0, OUT=0, SPLIT=cfg.split, STAGES=cfg.stages,
-              XS=0, XU=0, X_SWIGLU=False, PDL=True)
-    return compile_kernel(g.fp8_mma_kernel, _GEMV_SIG, cx, cfg.warps, arch), cfg.bn * cfg.bk / (32 * cfg.warps)
+    cx = dict(T=4, N=20480, K=H, BM=cfg.bn, BK=cfg.bk, SCALE=0, OUT=3 if cfg.split > 1 else 0, SPLIT=cfg.split,
+              STAGES=cfg.stages, XS=0, XU=0, X_SWIGLU=False, PDL=True)
+    sig = dict(_GEMV_SIG, y_ptr="*fp32") if cfg.split > 1 else _GEMV_SIG
+    if reduce_tail:
+        sig = dict(sig, cnt_ptr="*i32", red_ptr="*bf16")
+        cx.update(REDUCE=True, RED_BF16=True)
+    return compile_kernel(g.fp8_mma_kernel, sig, cx, cfg.warps, arch), cfg.bn * cfg.bk / (32 * cfg.warps)
 
 
 def fma_gemv(arch: int, T: int, N: int, K: int, cfg=None, split_norm: int = 0) -> tuple[object, float]:

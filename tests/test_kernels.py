@@ -416,6 +416,24 @@ def test_verify_tails_with_every_token_at_once_gpu(T, monkeypatch):
 
 
 @gpu
+@pytest.mark.parametrize("T", [1, 4])
+def test_split_k_sums_in_the_gemvs_last_programs_gpu(T, monkeypatch):
+    """SPARKCHAT_REDUCE_TAIL=1 at the Ling shapes with the engine's configs — KDA's fused input
+    projection (tensor cores in two splits at T = 4), the shared expert's gate|up (five), the dense MLP's
+    down (FMA, four) — against the separate reduce kernel: the very same outputs."""
+    from sparkchat.engine.kernels import fp8_gemv
+    gen = torch.Generator().manual_seed(41 + T)
+    for N, K in ((20480, 2560), (1536, 2560), (2560, 6144)):
+        w, si = make_fp8(N, K, "cuda", gen)
+        x = torch.randn(T, K, generator=gen).bfloat16().cuda()
+        monkeypatch.setenv("SPARKCHAT_REDUCE_TAIL", "0")
+        off = fp8_gemv.fp8_block_gemv(x, w, si)
+        monkeypatch.setenv("SPARKCHAT_REDUCE_TAIL", "1")
+        for _ in range(2):  # the counters back at zero for the next launch
+            assert torch.equal(fp8_gemv.fp8_block_gemv(x, w, si), off), (N, K, T)
+
+
+@gpu
 def test_moe_input_norm_finished_by_the_router_gpu():
     """SPARKCHAT_SPLIT_MOE_INPUT_NORM=1 at the Ling shapes with the engine's configs: KDA's output
     projection writes s and its sums of squares, the shared expert's gate|up applies the norm without
@@ -807,6 +825,50 @@ def test_add_norm_tail_with_every_token_at_once_under_triton_interpreter():
     norm's fp16 and packed MoE forms of the h it wrote (masked chunk ends, 2-5 tokens, split-K or not);
     MoE stage 2's slot sum so (bit 2) gives the very output, with the shared expert added or run inside."""
     _run_interpreted(_TAIL_AT_ONCE_SCRIPT)
+
+
+_REDUCE_TAIL_SCRIPT = textwrap.dedent("""
+    import os
+    import torch
+    from sparkchat.engine.kernels import reference as ref
+    from sparkchat.engine.kernels.counters import arrival_counters
+    from sparkchat.engine.kernels.fp8_gemv import GemvConfig, fp8_block_gemv, fp8_block_gemv_swiglu, fp8_head_gemv
+    from tests.test_kernels import make_fp8, rel_err
+    gen = torch.Generator().manual_seed(8)
+    w, si = make_fp8(200, 512, gen=gen)  # 200 rows: the last tile partly masked
+    scale = torch.rand(200, generator=gen) + 0.5
+    for T, cfg in ((1, GemvConfig(bn=16, rs=1, bk=64, split=4, kacc=16)),
+                   (3, GemvConfig(bn=8, rs=2, bk=128, split=2)),
+                   (4, GemvConfig(bn=32, rs=1, bk=64, warps=4, mma=True, split=2)),
+                   (5, GemvConfig(bn=64, rs=1, bk=128, warps=4, mma=True, split=4, stages=1))):
+        x = torch.randn(T, 512, generator=gen).bfloat16()
+        runs = {}
+        for on in ("0", "1"):
+            os.environ["SPARKCHAT_REDUCE_TAIL"] = on
+            runs[on] = (fp8_block_gemv(x, w, si, config=cfg), fp8_head_gemv(x, w, scale, config=cfg))
+        # the very sums of the reduce kernel, bf16 block-scaled and fp32 row-scaled
+        assert torch.equal(runs["1"][0], runs["0"][0]) and torch.equal(runs["1"][1], runs["0"][1]), (T, cfg)
+        assert rel_err(runs["1"][0], ref.fp8_block_gemv_reference(x, w, si)) < 1e-2, (T, cfg)
+        assert rel_err(runs["1"][1], ref.fp8_head_gemv_reference(x, w, scale)) < 1e-5, (T, cfg)
+        assert arrival_counters("gemv_reduce.200.512", x.device, 1).eq(0).all()  # reset for the next launch
+    # an MLP's down projection computing its SwiGLU input on the way in, split
+    wd, wd_si = make_fp8(72, 256, gen=gen)
+    gu = torch.randn(4, 640, generator=gen).bfloat16()
+    cfg = GemvConfig(bn=32, rs=1, bk=128, mma=True, split=2)
+    os.environ["SPARKCHAT_REDUCE_TAIL"] = "0"
+    off = fp8_block_gemv_swiglu(gu, 384, 0.7, wd, wd_si, config=cfg)
+    os.environ["SPARKCHAT_REDUCE_TAIL"] = "1"
+    assert torch.equal(fp8_block_gemv_swiglu(gu, 384, 0.7, wd, wd_si, config=cfg), off)
+    print("interpreter ok")
+""")
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+def test_split_k_sums_in_the_gemvs_last_programs_under_triton_interpreter():
+    """SPARKCHAT_REDUCE_TAIL=1: a split-K GEMV (FMA or tensor-core, block or row scales, bf16 or fp32 out)
+    whose last program per row block sums the partials gives the reduce kernel's very output, and leaves
+    its arrival counters at zero."""
+    _run_interpreted(_REDUCE_TAIL_SCRIPT)
 
 
 _MOE_X_SCRIPT = textwrap.dedent("""

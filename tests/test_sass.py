@@ -324,3 +324,18 @@ def test_kda_output_norm_with_every_position_at_once_makes_one_trip(arch):
     sass, sass_before = s.disassemble(at_once, name), s.disassemble(serial, name)
     if sass is not None:
         assert s.load_trips_after(sass, 1) == 1 < s.load_trips_after(sass_before, 1)
+
+
+@pytest.mark.parametrize("arch", [90, 121])
+def test_split_k_sum_in_the_last_programs_costs_no_registers(arch):
+    """SPARKCHAT_REDUCE_TAIL=1 on KDA's 4-token tensor-core projection (two splits): the tail that sums
+    the partials keeps the kernel's registers and shared memory, without a stack."""
+    s = _tools()
+    plain, _ = s.mma_gemv(arch)
+    tail, _ = s.mma_gemv(arch, reduce_tail=True)
+    name = "fp8_mma_kernel"
+    assert s.stack_frame(tail, name) in (0, None)
+    assert s.registers(tail, name) <= s.registers(plain, name)
+    assert tail.metadata.shared <= plain.metadata.shared
+    # the arrival counter: one acquire-release atomic at GPU scope, none without the tail
+    assert "atom.global.gpu.acq_rel.add" in tail.asm["ptx"] and "atom." not in plain.asm["ptx"]

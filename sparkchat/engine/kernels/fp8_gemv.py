@@ -166,6 +166,8 @@ def fp8_gemv_kernel(
     ADD_NORM: tl.constexpr = False,  # OUT 3: then the residual add and RMSNorm (_add_norm_tail)
     NORM_LAST: tl.constexpr = True,  # ADD_NORM: also the norm itself (else s and the sums of squares only)
     TAIL_AT_ONCE: tl.constexpr = False,  # ADD_NORM, T > 1: the tail takes every token at once
+    REDUCE: tl.constexpr = False,  # OUT 3: then the split-K sum into red_ptr (_reduce_tail)
+    red_ptr=None, RED_BF16: tl.constexpr = True,
     cnt_ptr=None, res_ptr=None, nw_ptr=None, s_out_ptr=None, h_ptr=None, ssq_ptr=None, eps=0.0,
     h16_ptr=None, hd_ptr=None, F16: tl.constexpr = False, hx_ptr=None, MOE_X: tl.constexpr = False,
     INTERPRET: tl.constexpr = False,
@@ -258,6 +260,8 @@ def fp8_gemv_kernel(
     if ADD_NORM:
         _add_norm_tail(y_ptr, cnt_ptr, res_ptr, nw_ptr, s_out_ptr, h_ptr, ssq_ptr, eps, h16_ptr, hd_ptr, hx_ptr,
                        pid, r0, sub, T, N, BN, RS, SPLIT, F16, MOE_X, INTERPRET, NORM_LAST, TAIL_AT_ONCE)
+    if REDUCE:
+        _reduce_tail(y_ptr, cnt_ptr, s_ptr, red_ptr, pid, r0 + tl.arange(0, RS * BN), T, N, SPLIT, SCALE, RED_BF16)
 
 
 @triton.jit
@@ -293,6 +297,8 @@ def fp8_mma_kernel(
     PDL: tl.constexpr = False,
     xd_ptr=None,  # X_F16: fp32 [T, ceil(K/128)], the power of two undoing each block's scaling
     X_F16: tl.constexpr = False,  # x_ptr: fp16 [T, K], each 128-column block scaled as _f16_exact does
+    REDUCE: tl.constexpr = False,  # OUT 3: then the split-K sum into red_ptr (_reduce_tail)
+    cnt_ptr=None, red_ptr=None, RED_BF16: tl.constexpr = True,
 ):
     """fp8_gemv_kernel's results for a window of T ≤ 16 tokens on the tensor cores: rows
     [pid*BM, +BM) of y = x @ w.T as [BM, 16] MMA tiles, the tokens (zero-padded to 16) the N side.
@@ -348,6 +354,35 @@ def fp8_mma_kernel(
             tl.store(yp, acc.to(tl.bfloat16), mask=m)
         else:
             tl.store(yp, acc, mask=m)
+    if REDUCE:
+        _reduce_tail(y_ptr, cnt_ptr, s_ptr, red_ptr, pid, rows, T, N, SPLIT, SCALE, RED_BF16)
+
+
+@triton.jit
+def _reduce_tail(part_ptr, cnt_ptr, s_ptr, y_ptr, pid, rows, T: tl.constexpr, N: tl.constexpr, SPLIT: tl.constexpr,
+                 SCALE: tl.constexpr, OUT_BF16: tl.constexpr):
+    """splitk_reduce_kernel's work for one row block, done by the last of its SPLIT programs to finish
+    (arrival counter pid, reset by that program) instead of by a launch of its own: the partials
+    [SPLIT, T, N] at `rows` summed in split order for every token at once, then the row scale (SCALE 1)
+    and the output dtype — the very sums the reduce kernel makes."""
+    tl.debug_barrier()  # this program's partial stores -> the release below
+    done = tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel", scope="gpu")
+    if done == SPLIT - 1:
+        tl.debug_barrier()
+        TP: tl.constexpr = 1 if T == 1 else (2 if T <= 2 else (4 if T <= 4 else (8 if T <= 8 else 16)))
+        tt = tl.arange(0, TP)
+        m = (tt < T)[:, None] & (rows < N)[None, :]
+        off = tt[:, None] * N + rows[None, :]
+        acc = tl.load(part_ptr + off, mask=m, other=0.0, cache_modifier=".cg")
+        for p in tl.static_range(1, SPLIT):
+            acc += tl.load(part_ptr + p * T * N + off, mask=m, other=0.0, cache_modifier=".cg")
+        if SCALE == 1:
+            acc = acc * tl.load(s_ptr + rows, mask=rows < N, other=0.0)[None, :]
+        if OUT_BF16:
+            tl.store(y_ptr + off, acc.to(tl.bfloat16), mask=m)
+        else:
+            tl.store(y_ptr + off, acc, mask=m)
+        tl.store(cnt_ptr + pid, 0)
 
 
 @triton.jit
@@ -689,11 +724,26 @@ def _launch(x, w, s, y, pmax, pidx, scale_kind: int, out_kind: int, cfg: GemvCon
         _gemv(x, w, s, y, pmax, pidx, scale_kind, out_kind, cfg, bk, 1, **extra)
         return
     part = torch.empty(split, T, N, dtype=torch.float32, device=x.device)
+    if reduce_tail_enabled():  # the last split of each row block sums them: no launch of its own
+        blocks = triton.cdiv(N, cfg.bn * cfg.rs)
+        _gemv(x, w, s, part, pmax, pidx, scale_kind, 3, cfg, bk, split, REDUCE=True, red_ptr=y,
+              RED_BF16=out_kind == 0, cnt_ptr=arrival_counters(f"gemv_reduce.{N}.{K}", x.device, blocks), **extra)
+        return
     _gemv(x, w, s, part, pmax, pidx, scale_kind, 3, cfg, bk, split, **extra)
     block = 1024
     splitk_reduce_kernel[(triton.cdiv(T * N, block),)](part, s, y, TN=T * N, N=N, SPLIT=split,
                                                         SCALE=scale_kind, OUT_BF16=out_kind == 0,
                                                         BLOCK=block, num_warps=4, **pdl_args(x.device))
+
+
+def reduce_tail_enabled() -> bool:
+    """SPARKCHAT_REDUCE_TAIL=1: a split-K GEMV's last program per row block sums the partials
+    (_reduce_tail) instead of a splitk_reduce_kernel launch after it. The 4-token verify runs 86 such
+    launches (KDA's tensor-core input projection in two splits, the shared expert's gate|up in five), each
+    exposed ~2.5 µs (H100, session 28's timeline); the tail costs an atomic and one trip to L2 instead.
+    Arrival counters per GEMV shape, so that the side stream's GEMVs never share one with the main
+    stream's. Off until timed."""
+    return os.environ.get("SPARKCHAT_REDUCE_TAIL", "0") == "1"
 
 
 def f16_block_acts(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
