@@ -2,7 +2,7 @@
 # The GPU runs waiting for a development GPU, as named batches, so a lent machine starts on them at once.
 #
 #   bash benchmarks/gpu_queue.sh wheels        # here (with package registries): the wheels the GPU box lacks
-#   bash benchmarks/gpu_queue.sh quick|qbench|gemvs|verify|pipeline|sampled|handoff|decode|tails|reduce|oproj4|race|first|ab|tests|configs|bench|load   # on the GPU box, logs under $OUT (default ./gpu-out)
+#   bash benchmarks/gpu_queue.sh quick|qbench|gemvs|verify|pipeline|sampled|handoff|decode|tails|reduce|tails_reduce|oproj4|race|first|ab|tests|configs|bench|load   # on the GPU box, logs under $OUT (default ./gpu-out)
 #
 # The GPU box has torch, triton and transformers, but not this project's other dependencies, nor the
 # transformers the tiny test models need (5.24), and it cannot fetch: `wheels` downloads them into .whl2/
@@ -160,6 +160,20 @@ reduce() {
         --switch SPARKCHAT_TAIL_AT_ONCE=7 2>&1 | tee "$OUT/race-reduce-tails.txt"
 }
 
+# tails and reduce in one command, for a short loan: every new GPU test, the GPU path with both on, then
+# each alternated with off in the graphed step and verify.
+tails_reduce() {
+    timeout 150 python3 -m pytest -q tests/test_kernels.py tests/test_kda_kernel.py \
+        -k "at_once_gpu or last_programs_gpu or fused_add_norm_matches or kda_kernel_on_cuda" 2>&1 | tail -3 \
+        | tee "$OUT/tails-reduce-tests.txt"
+    tiny_models || return 1
+    SPARKCHAT_TAIL_AT_ONCE=7 SPARKCHAT_REDUCE_TAIL=1 timeout 150 python3 -m pytest -q -x tests/test_gpu_engine.py \
+        -k "fast_path_matches or lossless" 2>&1 | tail -3 | tee -a "$OUT/tails-reduce-tests.txt"
+    timeout 270 python3 benchmarks/profile_step.py --rounds 2 --switch SPARKCHAT_TAIL_AT_ONCE=1,2,4,7 \
+        --switch SPARKCHAT_REDUCE_TAIL=1 --switch "SPARKCHAT_TAIL_AT_ONCE=7+SPARKCHAT_REDUCE_TAIL=1" 2>&1 \
+        | tee "$OUT/ab-tails-reduce.txt"
+}
+
 # The 4-token output projection's k loop (block.4.2560.4096: 32-row tiles, 128-column steps, split 8,
 # per-row accumulators that cross warps at every step through shared memory, no prefetch: 4 dependent
 # DRAM trips a program) against [rows, 16] accumulators reduced once (92 registers, sm_90), the one-step
@@ -254,6 +268,6 @@ load() {  # the checkpoint reader to the GPU: mmap vs plain reads, and the page 
 
 case "${1:-}" in
     wheels) wheels ;;
-    quick|qbench|gemvs|verify|pipeline|sampled|handoff|decode|tails|reduce|oproj4|race|first|ab|tests|configs|bench|load) install_wheels; "$1" ;;
-    *) echo "usage: $0 wheels|quick|qbench|gemvs|verify|pipeline|sampled|handoff|decode|tails|reduce|oproj4|race|first|ab|tests|configs|bench|load" >&2; exit 2 ;;
+    quick|qbench|gemvs|verify|pipeline|sampled|handoff|decode|tails|reduce|tails_reduce|oproj4|race|first|ab|tests|configs|bench|load) install_wheels; "$1" ;;
+    *) echo "usage: $0 wheels|quick|qbench|gemvs|verify|pipeline|sampled|handoff|decode|tails|reduce|tails_reduce|oproj4|race|first|ab|tests|configs|bench|load" >&2; exit 2 ;;
 esac
