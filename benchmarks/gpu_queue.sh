@@ -2,7 +2,7 @@
 # The GPU runs waiting for a development GPU, as named batches, so a lent machine starts on them at once.
 #
 #   bash benchmarks/gpu_queue.sh wheels        # here (with package registries): the wheels the GPU box lacks
-#   bash benchmarks/gpu_queue.sh quick|qbench|gemvs|verify|pipeline|sampled|handoff|decode|tails|reduce|tails_reduce|oproj4|race|first|ab|tests|configs|bench|load   # on the GPU box, logs under $OUT (default ./gpu-out)
+#   bash benchmarks/gpu_queue.sh quick|qbench|gemvs|verify|pipeline|sampled|handoff|decode|tails|oproj4|race|first|ab|tests|configs|bench|load   # on the GPU box, logs under $OUT (default ./gpu-out)
 #
 # The GPU box has torch, triton and transformers, but not this project's other dependencies, nor the
 # transformers the tiny test models need (5.24), and it cannot fetch: `wheels` downloads them into .whl2/
@@ -98,12 +98,11 @@ sampled() {
         --loop-rounds 2 2>&1 | tee "$OUT/loop-sampled.txt"
 }
 
-# The pipelined loop's two opt-in switches, CPU-checked in session 29: SPARKCHAT_PIPELINE_FILL=1 (the
-# catch-up's slots past the accepted one copy its token and hidden state, so that their MoE mostly reads
-# its experts; synthetic weights accept ~1 token a cycle: 3 such slots) and SPARKCHAT_PIPELINE_KERNELS=1
-# (the acceptance and the next cycle's inputs in two Triton launches instead of ~15 torch ops): the
-# handoff kernels against their twins and the GPU engine tests with them, then the real loop with each on
-# and off, greedy.
+# The pipelined loop's two switches of session 29, timed on the H100 in session 30: SPARKCHAT_PIPELINE_FILL=1
+# (the catch-up's slots past the accepted one copy its token and hidden state; no gain at synthetic
+# weights' ~1 token a cycle, opt-in) and SPARKCHAT_PIPELINE_KERNELS (the acceptance and the next cycle's
+# inputs in two Triton launches; default since then): the handoff kernels against their twins and the GPU
+# engine tests, then the real loop with each on and off, greedy — on the H200 next.
 handoff() {
     tiny_models || return 1
     timeout 240 python3 -m pytest -q -x tests/test_pipeline_handoff.py tests/test_gpu_engine.py \
@@ -113,8 +112,8 @@ handoff() {
         | tee "$OUT/loop-kernels.txt"
 }
 
-# Plain decoding (no MTP) pipelined, SPARKCHAT_DECODE_PIPELINE=1 (engine/decode_pipeline.py, CPU-checked in
-# session 29): its GPU engine test, then the real plain loop with it on and off, greedy and sampled.
+# Plain decoding (no MTP) pipelined (engine/decode_pipeline.py; default with graphs since session 30's H100
+# figures): its GPU engine test, then the real plain loop with it on and off, greedy and sampled.
 decode() {
     tiny_models || return 1
     timeout 150 python3 -m pytest -q -x tests/test_gpu_engine.py -k "plain_decoding" 2>&1 | tee "$OUT/engine.txt" | tail -5
@@ -124,64 +123,24 @@ decode() {
         --loop-temperature 0.7 --loop-rounds 2 2>&1 | tee "$OUT/loop-decode-sampled.txt"
 }
 
-# The verify's serial tails with every token at once (SPARKCHAT_TAIL_AT_ONCE, bits, CPU-checked in session
-# 30): 1 the output projection's fused add+norm (sm_90 SASS: 4 trips to L2 -> 1 in its row-block tail,
-# 126 -> 68 barriers, 96 -> 80 registers), 2 MoE stage 2's slot sum (4 trips -> 1), 4 KDA's output norm
-# (several trips -> 1). The kernels against the serial tails at the Ling shapes, the GPU path with all of
-# them on, then the graphed verify (and step) with each bit and all, and the verify's timeline with all.
+# The verify's serial tails with every token at once (SPARKCHAT_TAIL_AT_ONCE=6, the default since session
+# 30 on the H100's figures: MoE stage 2's slot sum and KDA's output norm): the same on the H200, 4 rounds
+# against off, then the verify's timeline with the default.
 tails() {
-    timeout 200 python3 -m pytest -q tests/test_kernels.py tests/test_kda_kernel.py \
-        -k "at_once_gpu or fused_add_norm_matches or kda_kernel_on_cuda" 2>&1 | tail -3 | tee "$OUT/tails-tests.txt"
-    tiny_models || return 1
-    SPARKCHAT_TAIL_AT_ONCE=7 timeout 150 python3 -m pytest -q -x tests/test_gpu_engine.py -k "fast_path_matches or lossless" \
-        2>&1 | tail -3 | tee -a "$OUT/tails-tests.txt"
-    timeout 240 python3 benchmarks/profile_step.py --rounds 2 --switch SPARKCHAT_TAIL_AT_ONCE=1,2,4,7 2>&1 \
+    timeout 240 python3 benchmarks/profile_step.py --rounds 4 --switch SPARKCHAT_TAIL_AT_ONCE=6 2>&1 \
         | tee "$OUT/ab-tails.txt"
-    SPARKCHAT_TAIL_AT_ONCE=7 timeout 100 python3 benchmarks/profile_step.py --timeline --sequence --tokens 4 2>&1 \
-        | tee "$OUT/timeline-verify-tails.txt"
-}
-
-# Split-K GEMVs summing their partials in their own last programs (SPARKCHAT_REDUCE_TAIL=1, CPU-checked in
-# session 30: the reduce kernel's very output under the interpreter, no register or shared-memory cost
-# in sm_90/sm_121 builds): the 4-token verify launches 86 reduce kernels (KDA's projection, the shared
-# gate|up), each exposed ~2.5 us on the H100. Its GPU test, the GPU path with it on, then the graphed
-# step and verify with it on and off.
-reduce() {
-    timeout 120 python3 -m pytest -q tests/test_kernels.py -k "last_programs_gpu or mma_gemv_gpu" 2>&1 | tail -3 \
-        | tee "$OUT/reduce-tests.txt"
-    tiny_models || return 1
-    SPARKCHAT_REDUCE_TAIL=1 timeout 150 python3 -m pytest -q -x tests/test_gpu_engine.py -k "fast_path_matches or lossless" \
-        2>&1 | tail -3 | tee -a "$OUT/reduce-tests.txt"
-    timeout 200 python3 benchmarks/profile_step.py --rounds 3 --switch SPARKCHAT_REDUCE_TAIL=1 2>&1 \
-        | tee "$OUT/ab-reduce.txt"
-    # one launch fewer between a GEMV and what reads its output: a kernel that reads it before its PDL
-    # wait, trusting it to be two launches back, would now race (session 28's lesson); replays show it
-    timeout 120 python3 benchmarks/race_check.py --replays 6 --tokens 1,4 --switch SPARKCHAT_REDUCE_TAIL=1 \
-        --switch SPARKCHAT_TAIL_AT_ONCE=7 2>&1 | tee "$OUT/race-reduce-tails.txt"
-}
-
-# tails and reduce in one command, for a short loan: every new GPU test, the GPU path with both on, then
-# each alternated with off in the graphed step and verify.
-tails_reduce() {
-    timeout 150 python3 -m pytest -q tests/test_kernels.py tests/test_kda_kernel.py \
-        -k "at_once_gpu or last_programs_gpu or fused_add_norm_matches or kda_kernel_on_cuda" 2>&1 | tail -3 \
-        | tee "$OUT/tails-reduce-tests.txt"
-    tiny_models || return 1
-    SPARKCHAT_TAIL_AT_ONCE=7 SPARKCHAT_REDUCE_TAIL=1 timeout 150 python3 -m pytest -q -x tests/test_gpu_engine.py \
-        -k "fast_path_matches or lossless" 2>&1 | tail -3 | tee -a "$OUT/tails-reduce-tests.txt"
-    timeout 270 python3 benchmarks/profile_step.py --rounds 2 --switch SPARKCHAT_TAIL_AT_ONCE=1,2,4,7 \
-        --switch SPARKCHAT_REDUCE_TAIL=1 --switch "SPARKCHAT_TAIL_AT_ONCE=7+SPARKCHAT_REDUCE_TAIL=1" 2>&1 \
-        | tee "$OUT/ab-tails-reduce.txt"
+    timeout 100 python3 benchmarks/profile_step.py --timeline --sequence --tokens 4 2>&1 \
+        | tee "$OUT/timeline-verify.txt"
 }
 
 # The 4-token output projection's k loop (block.4.2560.4096: 32-row tiles, 128-column steps, split 8,
-# per-row accumulators that cross warps at every step through shared memory, no prefetch: 4 dependent
-# DRAM trips a program) against [rows, 16] accumulators reduced once (92 registers, sm_90), the one-step
-# prefetch (96), and 16-row tiles in 256-column steps (92): in the graphed verify, the tails at once on
-# both sides (SPARKCHAT_TAIL_AT_ONCE=1, so what is timed is the loop).
+# per-row accumulators that cross warps through shared memory at every step, no prefetch) against
+# [rows, 16] accumulators reduced once and the one-step prefetch: in session 30's H100 timelines each
+# took the projection from 16.0 to 15.1 us exposed a call (one trace each); timed here in the graphed
+# verify, 4 rounds.
 oproj4() {
-    SPARKCHAT_TAIL_AT_ONCE=1 timeout 400 python3 benchmarks/profile_step.py --rounds 2 \
-        --switch "SPARKCHAT_GEMV_CONFIG=block.4.2560.4096.row_acc:0/block.4.2560.4096.kacc:16,block.4.2560.4096.prefetch:1,block.4.2560.4096.bn:16/block.4.2560.4096.bk:256/block.4.2560.4096.row_acc:0/block.4.2560.4096.kacc:16" \
+    timeout 400 python3 benchmarks/profile_step.py --rounds 4 \
+        --switch "SPARKCHAT_GEMV_CONFIG=block.4.2560.4096.row_acc:0/block.4.2560.4096.kacc:16,block.4.2560.4096.prefetch:1" \
         2>&1 | tee "$OUT/ab-oproj4.txt"
 }
 
@@ -268,6 +227,6 @@ load() {  # the checkpoint reader to the GPU: mmap vs plain reads, and the page 
 
 case "${1:-}" in
     wheels) wheels ;;
-    quick|qbench|gemvs|verify|pipeline|sampled|handoff|decode|tails|reduce|tails_reduce|oproj4|race|first|ab|tests|configs|bench|load) install_wheels; "$1" ;;
-    *) echo "usage: $0 wheels|quick|qbench|gemvs|verify|pipeline|sampled|handoff|decode|tails|reduce|tails_reduce|oproj4|race|first|ab|tests|configs|bench|load" >&2; exit 2 ;;
+    quick|qbench|gemvs|verify|pipeline|sampled|handoff|decode|tails|oproj4|race|first|ab|tests|configs|bench|load) install_wheels; "$1" ;;
+    *) echo "usage: $0 wheels|quick|qbench|gemvs|verify|pipeline|sampled|handoff|decode|tails|oproj4|race|first|ab|tests|configs|bench|load" >&2; exit 2 ;;
 esac

@@ -298,20 +298,15 @@ def kda_step(arch: int, T: int = 1, programs: int = 4, warps: int = 4, keep: boo
     return compile_kernel(kd.kda_decode_kernel, sig, cx, warps, arch)
 
 
-def mma_gemv(arch: int, reduce_tail: bool = False) -> tuple[object, float]:
+def mma_gemv(arch: int) -> tuple[object, float]:
     """The tensor-core FP8 GEMV as a 4-token verify launches it for KDA's fused projection: (the
-    compiled kernel, weights a thread streams per k step). reduce_tail: with its split-K sum in its last
-    programs (SPARKCHAT_REDUCE_TAIL=1)."""
+    compiled kernel, weights a thread streams per k step)."""
     from sparkchat.engine.kernels import fp8_gemv as g
 
     cfg = g.gemv_config("block", 4, 20480, H)
-    cx = dict(T=4, N=20480, K=H, BM=cfg.bn, BK=cfg.bk, SCALE=0, OUT=3 if cfg.split > 1 else 0, SPLIT=cfg.split,
-              STAGES=cfg.stages, XS=0, XU=0, X_SWIGLU=False, PDL=True)
-    sig = dict(_GEMV_SIG, y_ptr="*fp32") if cfg.split > 1 else _GEMV_SIG
-    if reduce_tail:
-        sig = dict(sig, cnt_ptr="*i32", red_ptr="*bf16")
-        cx.update(REDUCE=True, RED_BF16=True)
-    return compile_kernel(g.fp8_mma_kernel, sig, cx, cfg.warps, arch), cfg.bn * cfg.bk / (32 * cfg.warps)
+    cx = dict(T=4, N=20480, K=H, BM=cfg.bn, BK=cfg.bk, SCALE=0, OUT=0, SPLIT=cfg.split, STAGES=cfg.stages,
+              XS=0, XU=0, X_SWIGLU=False, PDL=True)
+    return compile_kernel(g.fp8_mma_kernel, _GEMV_SIG, cx, cfg.warps, arch), cfg.bn * cfg.bk / (32 * cfg.warps)
 
 
 def fma_gemv(arch: int, T: int, N: int, K: int, cfg=None, split_norm: int = 0) -> tuple[object, float]:
@@ -394,26 +389,14 @@ def stack_frame(kernel, name: str) -> int | None:
 
 
 def verify_tails(arch: int, at_once: bool) -> dict[str, tuple[object, str]]:
-    """The 4-token verify's two kernels with a serial tail, as the engine launches them at the Ling shapes,
-    their tails one token after another or (at_once, SPARKCHAT_TAIL_AT_ONCE=3) every token at once:
-    {label: (compiled kernel, kernel name)} — the attention output projection with its fused add+norm
-    (the norm's fp16 and packed MoE forms too) and MoE stage 2 with its slot sum."""
-    from sparkchat.engine.kernels import fp8_gemv as g
+    """The 4-token verify's MoE stage 2 as the engine launches it at the Ling shapes, its slot sum one
+    token after another or (at_once, SPARKCHAT_TAIL_AT_ONCE bit 2) every token at once: {label: (compiled
+    kernel, kernel name)}."""
     from sparkchat.engine.kernels import mxfp4_moe as m
 
-    T, N, KO = 4, H, 4096
-    c = g.gemv_config("block", T, N, KO)
-    bk = min(c.bk, g._pow2(KO))
-    cx = dict(T=T, N=N, K=KO, BN=c.bn, RS=c.rs, BK=bk, UNROLL=c.unroll, SCALE=0, OUT=3, SPLIT=g._split_for(KO, bk, c.split),
-              PREFETCH=c.prefetch, ROW_ACC=c.row_acc, XS=0, XU=0, X_SWIGLU=False, PDL=True, KACC=g._kacc(c, bk),
-              XN_NSQ=0, XN_NSQP=1, INTERPRET=False, ADD_NORM=True, NORM_LAST=True, F16=True, MOE_X=True,
-              TAIL_AT_ONCE=at_once)
-    sig = dict(_GEMV_SIG, y_ptr="*fp32", cnt_ptr="*i32", res_ptr="*bf16", nw_ptr="*bf16", s_out_ptr="*bf16",
-               h_ptr="*bf16", ssq_ptr="*fp32", eps="fp32", h16_ptr="*fp16", hd_ptr="*fp32", hx_ptr="*bf16")
-    out = {"attention output projection + add + norm": (compile_kernel(g.fp8_gemv_kernel, sig, cx, c.warps, arch),
-                                                         "fp8_gemv_kernel")}
+    T = 4
     saved = os.environ.get("SPARKCHAT_TAIL_AT_ONCE")
-    os.environ["SPARKCHAT_TAIL_AT_ONCE"] = "3" if at_once else "0"  # as the engine plans it (register cap too)
+    os.environ["SPARKCHAT_TAIL_AT_ONCE"] = "2" if at_once else "0"  # as the engine plans it (register cap too)
     try:
         plan = m._plan(T, K, H, INTER, m.moe_config(T, H, INTER), True, x_packed=True)
     finally:
@@ -425,8 +408,7 @@ def verify_tails(arch: int, at_once: bool) -> dict[str, tuple[object, str]]:
     meta = {**plan.meta2, "HAS_ADD": False, "PDL": True, "INTERPRET": False}
     warps, maxnreg = meta.pop("num_warps"), meta.pop("maxnreg", None)
     sig2 = dict(_STAGE2_SIG, act_ptr="*i32" if meta["ACT_PACKED"] else "*fp32")
-    out["moe stage 2 + slot sum"] = (compile_kernel(fn, sig2, meta, warps, arch, maxnreg=maxnreg), fn.__name__)
-    return out
+    return {"moe stage 2 + slot sum": (compile_kernel(fn, sig2, meta, warps, arch, maxnreg=maxnreg), fn.__name__)}
 
 
 def load_trips_after(sass: list[str], atomics: int) -> int:

@@ -162,12 +162,16 @@ def run_all(device: str, real: bool = True) -> None:
     for case in (CASES[7], CASES[11]):
         T, H, DH, safe, keep, nb, K, dtype = case
         runs = []
+        saved = os.environ.get("SPARKCHAT_TAIL_AT_ONCE")
         for bits in ("0", "4"):
             os.environ["SPARKCHAT_TAIL_AT_ONCE"] = bits
             x, (conv, rec), w = make_inputs(T, H, DH, K, dtype, device, seed=3)
             out = kda_decode(*x, conv, rec, *w, H, DH, safe, -5.0 if safe else 5.0, 1e-6, keep, False, dv_blocks=nb)
             runs.append((out[0], out[1], conv, rec))
-        os.environ["SPARKCHAT_TAIL_AT_ONCE"] = "0"
+        if saved is None:
+            del os.environ["SPARKCHAT_TAIL_AT_ONCE"]
+        else:
+            os.environ["SPARKCHAT_TAIL_AT_ONCE"] = saved
         assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True)), case
     # past MAX_TOKENS keeping steps, past PROMPT_WINDOWS_MAX_TOKENS, and with the windows switched off,
     # it hands over to the twin: the same results exactly (the plain twin: an earlier test may have left

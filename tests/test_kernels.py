@@ -379,58 +379,25 @@ def test_fused_add_norm_matches_two_launches_gpu(T, monkeypatch):
 
 @gpu
 @pytest.mark.parametrize("T", [2, 4, 5])
-def test_verify_tails_with_every_token_at_once_gpu(T, monkeypatch):
-    """SPARKCHAT_TAIL_AT_ONCE=3 at the Ling shapes with the engine's configs: the output projection's
-    add+norm gives the same s and the norm but for the squares' order, with its fp16 and packed forms
-    of the h it wrote; MoE stage 2's slot sum the very output, the shared expert's output added; the
-    arrival counters back at zero."""
-    from sparkchat.engine.kernels import fp8_gemv
-    from sparkchat.engine.kernels.counters import arrival_counters
+def test_moe_slot_sum_with_every_token_at_once_gpu(T, monkeypatch):
+    """SPARKCHAT_TAIL_AT_ONCE bit 2 at the Ling shapes with the engine's configs: MoE stage 2's slot sum
+    over every token at once gives the one-token-after-another output to the bit, the shared expert's
+    output added."""
     from sparkchat.engine.kernels.mxfp4_layout import permute_words_
     from sparkchat.engine.kernels.mxfp4_moe import mxfp4_moe, pack_moe_x
     gen = torch.Generator().manual_seed(31 + T)
-    w, si = make_fp8(2560, 4096, "cuda", gen)
-    nw = (torch.rand(2560, generator=gen) + 0.5).bfloat16().cuda()
     w13, s13, w2, s2 = make_experts(40, 2560, 768, "cuda", gen)
     a13, a2 = permute_words_(w13.clone()), permute_words_(w2.clone())
     for _ in range(2):
-        x = torch.randn(T, 4096, generator=gen).bfloat16().cuda()
-        res = (torch.randn(T, 2560, generator=gen) * 2).bfloat16().cuda()
         xm = torch.randn(T, 2560, generator=gen).bfloat16().cuda()
         ids, wts = make_routing(T, 8, 40, 2, gen)
         ids, wts = ids.cuda(), wts.cuda()
         add = torch.randn(T, 2560, generator=gen).bfloat16().cuda()
         got = {}
-        for bits in ("0", "3"):
+        for bits in ("0", "2"):
             monkeypatch.setenv("SPARKCHAT_TAIL_AT_ONCE", bits)
-            got[bits] = (*fp8_gemv.fp8_block_gemv_add_norm(x, w, si, res, nw, 1e-6, moe_x=True),
-                         mxfp4_moe(xm, ids, wts, a13, s13, a2, s2, 4.0, paired=True, x_packed=pack_moe_x(xm),
-                                   add=add))
-        (s0, h0, y0), (s1, h1, y1) = got["0"], got["3"]
-        assert torch.equal(s1, s0) and torch.equal(y1, y0)
-        assert (h1 == h0).float().mean().item() > 0.99 and rel_err(h1, h0) < 1e-2
-        assert torch.equal(h1.moe_x, pack_moe_x(h1))
-        h16, hd = fp8_gemv.f16_block_acts(h1)
-        assert torch.equal(h1.f16_acts[0], h16) and torch.equal(h1.f16_acts[1], hd)
-    assert arrival_counters("gemv_add_norm", w.device, 1).eq(0).all()
-
-
-@gpu
-@pytest.mark.parametrize("T", [1, 4])
-def test_split_k_sums_in_the_gemvs_last_programs_gpu(T, monkeypatch):
-    """SPARKCHAT_REDUCE_TAIL=1 at the Ling shapes with the engine's configs — KDA's fused input
-    projection (tensor cores in two splits at T = 4), the shared expert's gate|up (five), the dense MLP's
-    down (FMA, four) — against the separate reduce kernel: the very same outputs."""
-    from sparkchat.engine.kernels import fp8_gemv
-    gen = torch.Generator().manual_seed(41 + T)
-    for N, K in ((20480, 2560), (1536, 2560), (2560, 6144)):
-        w, si = make_fp8(N, K, "cuda", gen)
-        x = torch.randn(T, K, generator=gen).bfloat16().cuda()
-        monkeypatch.setenv("SPARKCHAT_REDUCE_TAIL", "0")
-        off = fp8_gemv.fp8_block_gemv(x, w, si)
-        monkeypatch.setenv("SPARKCHAT_REDUCE_TAIL", "1")
-        for _ in range(2):  # the counters back at zero for the next launch
-            assert torch.equal(fp8_gemv.fp8_block_gemv(x, w, si), off), (N, K, T)
+            got[bits] = mxfp4_moe(xm, ids, wts, a13, s13, a2, s2, 4.0, paired=True, x_packed=pack_moe_x(xm), add=add)
+        assert torch.equal(got["2"], got["0"])
 
 
 @gpu
@@ -750,44 +717,10 @@ _TAIL_AT_ONCE_SCRIPT = textwrap.dedent("""
     import os
     import torch
     from sparkchat.engine.kernels import reference as ref
-    from sparkchat.engine.kernels.fp8_gemv import GemvConfig, f16_block_acts, fp8_block_gemv_add_norm
-    from sparkchat.engine.kernels.mxfp4_moe import pack_moe_x
-    from sparkchat.engine.nn.ops import add_rms_norm
-    from tests.test_kernels import make_fp8, rel_err
-    gen = torch.Generator().manual_seed(21)
-    K = 256
-    # N 640: two 512-column chunks, the second part masked; 1152: three; T up to 5 (padded to 8 tokens)
-    for N, T, cfg in ((640, 2, GemvConfig(bn=32, rs=1, bk=128, split=2, row_acc=True)),
-                      (640, 4, GemvConfig(bn=32, rs=1, bk=64, split=4, row_acc=True)),
-                      (1152, 3, GemvConfig(bn=16, rs=2, bk=128, split=1)),
-                      (640, 5, GemvConfig(bn=8, rs=1, bk=256, split=1, row_acc=True))):
-        w, si = make_fp8(N, K, gen=gen)
-        x = torch.randn(T, K, generator=gen).bfloat16()
-        res = (torch.randn(T, N, generator=gen) * 2).bfloat16()
-        nw = (torch.rand(N, generator=gen) + 0.5).bfloat16()
-        got = {}
-        for at_once in ("0", "1"):
-            os.environ["SPARKCHAT_TAIL_AT_ONCE"] = at_once
-            got[at_once] = fp8_block_gemv_add_norm(x, w, si, res, nw, 1e-6, config=cfg, moe_x=True)
-        (s0, h0), (s1, h1) = got["0"], got["1"]
-        assert torch.equal(s1, s0), (N, T)  # the same sum, added and rounded the same way
-        # the norm but for the order in which the squares add
-        assert (h1 == h0).float().mean().item() > 0.99 and rel_err(h1, h0) < 1e-2, (N, T)
-        s_ref, h_ref = add_rms_norm(res, ref.fp8_block_gemv_reference(x, w, si), nw, 1e-6)
-        assert rel_err(s1, s_ref) < 1e-2 and rel_err(h1, h_ref) < 1e-2, (N, T)
-        # its other forms are of the h written
-        assert torch.equal(h1.moe_x, pack_moe_x(h1)), (N, T)
-        h16, hd = f16_block_acts(h1)
-        assert torch.equal(h1.f16_acts[0], h16) and torch.equal(h1.f16_acts[1], hd), (N, T)
-        # a wrong norm weight is seen
-        os.environ["SPARKCHAT_TAIL_AT_ONCE"] = "1"
-        assert rel_err(fp8_block_gemv_add_norm(x, w, si, res, nw * 2, 1e-6, config=cfg)[1], h1) > 0.5
-    # MoE stage 2's slot sum (bit 2): the same sums in the same order, so the same output to the bit,
-    # with the shared expert's output added (`add`) or made by stage 2's own programs (`shared`)
-    import dataclasses
     from sparkchat.engine.kernels.mxfp4_moe import MoeConfig, SharedExpert, mxfp4_moe, pack_moe_x
     from sparkchat.engine.nn.moe import swiglu
-    from tests.test_kernels import make_experts, make_routing
+    from tests.test_kernels import make_experts, make_fp8, make_routing, rel_err
+    gen = torch.Generator().manual_seed(21)
     H, I, E, K = 64, 32, 6, 4
     w13, s13, w2, s2 = make_experts(E, H, I, gen=gen)
     gu_w, gu_s = make_fp8(256, H, gen=gen)
@@ -813,62 +746,15 @@ _TAIL_AT_ONCE_SCRIPT = textwrap.dedent("""
         want = ref.mxfp4_moe_reference(x, ids, wts, w13, s13, w2, s2, 0.02) + y_sh
         assert rel_err(outs["2"], want) < 3e-2, (T, mode)
         assert torch.equal(outs["2"], outs["0"]), (T, mode)
-    os.environ["SPARKCHAT_TAIL_AT_ONCE"] = "0"
     print("interpreter ok")
 """)
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
-def test_add_norm_tail_with_every_token_at_once_under_triton_interpreter():
-    """SPARKCHAT_TAIL_AT_ONCE: the verify's fused add+norm tail over all tokens in the same tiles (bit 1)
-    gives the one-token-after-another tail's s bit for bit, its norm but for the squares' order, and the
-    norm's fp16 and packed MoE forms of the h it wrote (masked chunk ends, 2-5 tokens, split-K or not);
-    MoE stage 2's slot sum so (bit 2) gives the very output, with the shared expert added or run inside."""
+def test_moe_slot_sum_with_every_token_at_once_under_triton_interpreter():
+    """SPARKCHAT_TAIL_AT_ONCE bit 2: MoE stage 2's slot sum over every token at once gives the very output
+    of the one-token-after-another sum, with the shared expert added or run inside (2-5 tokens)."""
     _run_interpreted(_TAIL_AT_ONCE_SCRIPT)
-
-
-_REDUCE_TAIL_SCRIPT = textwrap.dedent("""
-    import os
-    import torch
-    from sparkchat.engine.kernels import reference as ref
-    from sparkchat.engine.kernels.counters import arrival_counters
-    from sparkchat.engine.kernels.fp8_gemv import GemvConfig, fp8_block_gemv, fp8_block_gemv_swiglu, fp8_head_gemv
-    from tests.test_kernels import make_fp8, rel_err
-    gen = torch.Generator().manual_seed(8)
-    w, si = make_fp8(200, 512, gen=gen)  # 200 rows: the last tile partly masked
-    scale = torch.rand(200, generator=gen) + 0.5
-    for T, cfg in ((1, GemvConfig(bn=16, rs=1, bk=64, split=4, kacc=16)),
-                   (3, GemvConfig(bn=8, rs=2, bk=128, split=2)),
-                   (4, GemvConfig(bn=32, rs=1, bk=64, warps=4, mma=True, split=2)),
-                   (5, GemvConfig(bn=64, rs=1, bk=128, warps=4, mma=True, split=4, stages=1))):
-        x = torch.randn(T, 512, generator=gen).bfloat16()
-        runs = {}
-        for on in ("0", "1"):
-            os.environ["SPARKCHAT_REDUCE_TAIL"] = on
-            runs[on] = (fp8_block_gemv(x, w, si, config=cfg), fp8_head_gemv(x, w, scale, config=cfg))
-        # the very sums of the reduce kernel, bf16 block-scaled and fp32 row-scaled
-        assert torch.equal(runs["1"][0], runs["0"][0]) and torch.equal(runs["1"][1], runs["0"][1]), (T, cfg)
-        assert rel_err(runs["1"][0], ref.fp8_block_gemv_reference(x, w, si)) < 1e-2, (T, cfg)
-        assert rel_err(runs["1"][1], ref.fp8_head_gemv_reference(x, w, scale)) < 1e-5, (T, cfg)
-        assert arrival_counters("gemv_reduce.200.512", x.device, 1).eq(0).all()  # reset for the next launch
-    # an MLP's down projection computing its SwiGLU input on the way in, split
-    wd, wd_si = make_fp8(72, 256, gen=gen)
-    gu = torch.randn(4, 640, generator=gen).bfloat16()
-    cfg = GemvConfig(bn=32, rs=1, bk=128, mma=True, split=2)
-    os.environ["SPARKCHAT_REDUCE_TAIL"] = "0"
-    off = fp8_block_gemv_swiglu(gu, 384, 0.7, wd, wd_si, config=cfg)
-    os.environ["SPARKCHAT_REDUCE_TAIL"] = "1"
-    assert torch.equal(fp8_block_gemv_swiglu(gu, 384, 0.7, wd, wd_si, config=cfg), off)
-    print("interpreter ok")
-""")
-
-
-@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
-def test_split_k_sums_in_the_gemvs_last_programs_under_triton_interpreter():
-    """SPARKCHAT_REDUCE_TAIL=1: a split-K GEMV (FMA or tensor-core, block or row scales, bf16 or fp32 out)
-    whose last program per row block sums the partials gives the reduce kernel's very output, and leaves
-    its arrival counters at zero."""
-    _run_interpreted(_REDUCE_TAIL_SCRIPT)
 
 
 _MOE_X_SCRIPT = textwrap.dedent("""

@@ -1,6 +1,6 @@
 """Plain decoding (no MTP) pipelined: each one-token step is queued on the GPU before the host has read
-the token of the step before it (SPARKCHAT_DECODE_PIPELINE=1; engine/pipeline.py does the same for the
-speculative loop).
+the token of the step before it (on by default with CUDA graphs, SPARKCHAT_DECODE_PIPELINE=0 turns it off,
+=1 runs it eagerly too; engine/pipeline.py does the same for the speculative loop).
 
 A step's token is picked on the GPU (its argmax, or drawn there: sampling.sample) and fed to the next
 step there, at the next position, which the host knows. The GPU then never waits for the host to wake,

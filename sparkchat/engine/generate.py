@@ -53,10 +53,11 @@ class _SpecCounters:
             self.per_position[i] += 1
 
 
-def _pipelined(graphs) -> bool:
-    """Whether the MTP loop runs pipelined: with CUDA graphs, unless SPARKCHAT_PIPELINE=0;
-    SPARKCHAT_PIPELINE=1 runs it without graphs too (eagerly: the tests' twin of the graphed loop)."""
-    forced = os.environ.get("SPARKCHAT_PIPELINE")
+def _pipelined(graphs, switch: str = "SPARKCHAT_PIPELINE") -> bool:
+    """Whether a loop runs pipelined — the MTP loop (SPARKCHAT_PIPELINE) or plain decoding
+    (SPARKCHAT_DECODE_PIPELINE): with CUDA graphs, unless the switch is 0; =1 runs it without graphs too
+    (eagerly: the tests' twin of the graphed loop)."""
+    forced = os.environ.get(switch)
     return forced != "0" if graphs is not None else forced == "1"
 
 
@@ -371,9 +372,10 @@ def generate_tokens(model: LingModel, state: ConversationState, new_ids: list[in
     pipe = SpeculativePipeline(model, state, graphs, draft_steps, params, gen) \
         if use_mtp and _pipelined(graphs) else None
     inflight = before = None  # the queued cycle the host has not read; the pipeline's cycle read last
-    # without MTP, SPARKCHAT_DECODE_PIPELINE=1: each step queued before the host reads the one before it
+    # without MTP, each step queued before the host reads the one before it (engine/decode_pipeline.py;
+    # H100: 2.511 -> 2.473 ms a token, docs/benchmarks.md session 30)
     plain_steps = DecodePipeline(model, state, graphs, params, gen) \
-        if not use_mtp and os.environ.get("SPARKCHAT_DECODE_PIPELINE", "0") == "1" else None
+        if not use_mtp and _pipelined(graphs, "SPARKCHAT_DECODE_PIPELINE") else None
     queued_step = None  # the slot of a queued step whose token the host has not read
     first = emit([pending])
     yield first

@@ -114,9 +114,11 @@ class SpeculativePipeline:
         self.steps = graphs if graphs is not None else EagerSteps(model, state)
         dev = model.embed.device
         self.cuda = dev.type == "cuda"
-        # SPARKCHAT_PIPELINE_KERNELS=1: the steps between cycles in two launches (kernels/pipeline_handoff.py)
+        # the steps between cycles in two launches (kernels/pipeline_handoff.py) instead of ~15 torch ops:
+        # H100, greedy 5.179 -> 5.137 ms a cycle, sampled 5.391 -> 5.368 (docs/benchmarks.md session 30);
+        # SPARKCHAT_PIPELINE_KERNELS=0 keeps the ops
         self._kernels = None
-        if self.cuda and os.environ.get("SPARKCHAT_PIPELINE_KERNELS", "0") == "1":
+        if self.cuda and os.environ.get("SPARKCHAT_PIPELINE_KERNELS", "1") != "0":
             from sparkchat.engine.kernels import pipeline_handoff  # Triton: only where a GPU runs it
 
             self._kernels = pipeline_handoff

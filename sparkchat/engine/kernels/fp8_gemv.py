@@ -24,7 +24,7 @@ import triton.language as tl
 
 from sparkchat.engine.kernels.counters import arrival_counters
 from sparkchat.engine.kernels.device import interpreting
-from sparkchat.engine.kernels.norm_rows import SCALE_BLOCK, _norm_rows, norm_rows_kernel, tail_at_once
+from sparkchat.engine.kernels.norm_rows import SCALE_BLOCK, _norm_rows, norm_rows_kernel
 from sparkchat.engine.kernels.overrides import field_overrides
 from sparkchat.engine.kernels.packed_acts import _store_packed
 from sparkchat.engine.kernels.pdl import pdl_args, pdl_wait
@@ -165,9 +165,6 @@ def fp8_gemv_kernel(
     KACC: tl.constexpr = 0,  # > 0: [BN, KACC] accumulators (_gemv_step)
     ADD_NORM: tl.constexpr = False,  # OUT 3: then the residual add and RMSNorm (_add_norm_tail)
     NORM_LAST: tl.constexpr = True,  # ADD_NORM: also the norm itself (else s and the sums of squares only)
-    TAIL_AT_ONCE: tl.constexpr = False,  # ADD_NORM, T > 1: the tail takes every token at once
-    REDUCE: tl.constexpr = False,  # OUT 3: then the split-K sum into red_ptr (_reduce_tail)
-    red_ptr=None, RED_BF16: tl.constexpr = True,
     cnt_ptr=None, res_ptr=None, nw_ptr=None, s_out_ptr=None, h_ptr=None, ssq_ptr=None, eps=0.0,
     h16_ptr=None, hd_ptr=None, F16: tl.constexpr = False, hx_ptr=None, MOE_X: tl.constexpr = False,
     INTERPRET: tl.constexpr = False,
@@ -259,9 +256,7 @@ def fp8_gemv_kernel(
             tl.store(pidx_ptr + t * NP + pid, bi)
     if ADD_NORM:
         _add_norm_tail(y_ptr, cnt_ptr, res_ptr, nw_ptr, s_out_ptr, h_ptr, ssq_ptr, eps, h16_ptr, hd_ptr, hx_ptr,
-                       pid, r0, sub, T, N, BN, RS, SPLIT, F16, MOE_X, INTERPRET, NORM_LAST, TAIL_AT_ONCE)
-    if REDUCE:
-        _reduce_tail(y_ptr, cnt_ptr, s_ptr, red_ptr, pid, r0 + tl.arange(0, RS * BN), T, N, SPLIT, SCALE, RED_BF16)
+                       pid, r0, sub, T, N, BN, RS, SPLIT, F16, MOE_X, INTERPRET, NORM_LAST)
 
 
 @triton.jit
@@ -297,8 +292,6 @@ def fp8_mma_kernel(
     PDL: tl.constexpr = False,
     xd_ptr=None,  # X_F16: fp32 [T, ceil(K/128)], the power of two undoing each block's scaling
     X_F16: tl.constexpr = False,  # x_ptr: fp16 [T, K], each 128-column block scaled as _f16_exact does
-    REDUCE: tl.constexpr = False,  # OUT 3: then the split-K sum into red_ptr (_reduce_tail)
-    cnt_ptr=None, red_ptr=None, RED_BF16: tl.constexpr = True,
 ):
     """fp8_gemv_kernel's results for a window of T ≤ 16 tokens on the tensor cores: rows
     [pid*BM, +BM) of y = x @ w.T as [BM, 16] MMA tiles, the tokens (zero-padded to 16) the N side.
@@ -354,35 +347,6 @@ def fp8_mma_kernel(
             tl.store(yp, acc.to(tl.bfloat16), mask=m)
         else:
             tl.store(yp, acc, mask=m)
-    if REDUCE:
-        _reduce_tail(y_ptr, cnt_ptr, s_ptr, red_ptr, pid, rows, T, N, SPLIT, SCALE, RED_BF16)
-
-
-@triton.jit
-def _reduce_tail(part_ptr, cnt_ptr, s_ptr, y_ptr, pid, rows, T: tl.constexpr, N: tl.constexpr, SPLIT: tl.constexpr,
-                 SCALE: tl.constexpr, OUT_BF16: tl.constexpr):
-    """splitk_reduce_kernel's work for one row block, done by the last of its SPLIT programs to finish
-    (arrival counter pid, reset by that program) instead of by a launch of its own: the partials
-    [SPLIT, T, N] at `rows` summed in split order for every token at once, then the row scale (SCALE 1)
-    and the output dtype — the very sums the reduce kernel makes."""
-    tl.debug_barrier()  # this program's partial stores -> the release below
-    done = tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel", scope="gpu")
-    if done == SPLIT - 1:
-        tl.debug_barrier()
-        TP: tl.constexpr = 1 if T == 1 else (2 if T <= 2 else (4 if T <= 4 else (8 if T <= 8 else 16)))
-        tt = tl.arange(0, TP)
-        m = (tt < T)[:, None] & (rows < N)[None, :]
-        off = tt[:, None] * N + rows[None, :]
-        acc = tl.load(part_ptr + off, mask=m, other=0.0, cache_modifier=".cg")
-        for p in tl.static_range(1, SPLIT):
-            acc += tl.load(part_ptr + p * T * N + off, mask=m, other=0.0, cache_modifier=".cg")
-        if SCALE == 1:
-            acc = acc * tl.load(s_ptr + rows, mask=rows < N, other=0.0)[None, :]
-        if OUT_BF16:
-            tl.store(y_ptr + off, acc.to(tl.bfloat16), mask=m)
-        else:
-            tl.store(y_ptr + off, acc, mask=m)
-        tl.store(cnt_ptr + pid, 0)
 
 
 @triton.jit
@@ -409,7 +373,7 @@ def splitk_reduce_kernel(part_ptr, s_ptr, y_ptr, TN: tl.constexpr, N: tl.constex
 def _add_norm_tail(part_ptr, cnt_ptr, res_ptr, nw_ptr, s_out_ptr, h_ptr, ssq_ptr, eps, h16_ptr, hd_ptr, hx_ptr,
                    pid, r0, sub, T: tl.constexpr, N: tl.constexpr, BN: tl.constexpr, RS: tl.constexpr,
                    SPLIT: tl.constexpr, F16: tl.constexpr, MOE_X: tl.constexpr, INTERPRET: tl.constexpr,
-                   NORM_LAST: tl.constexpr = True, AT_ONCE: tl.constexpr = False):
+                   NORM_LAST: tl.constexpr = True):
     """splitk_add_norm_kernel's work, done by the GEMV's own programs so that the output projection and
     the add+norm after it are one launch. The last split of each row block to finish (arrival counter
     pid) sums its rows' partials in split order, adds the residual (s = bf16(residual + bf16(y))) and
@@ -417,73 +381,39 @@ def _add_norm_tail(part_ptr, cnt_ptr, res_ptr, nw_ptr, s_out_ptr, h_ptr, ssq_ptr
     into h = w * bf16(s * rsqrt(mean(s²) + eps)) for all N columns (and h's F16 / MOE_X forms). Both
     counters are reset by the program that reads them. Same roundings as the two-launch path; only the
     order in which the squares are summed differs. NORM_LAST False: s and the sums of squares only, the
-    norm left to its readers (SplitNorm). AT_ONCE (T > 1): both steps take every token in the same tiles,
-    all loads before any store (_split_rows_at_once, _norm_rows_at_once), not one token after another."""
+    norm left to its readers (SplitNorm)."""
     NP: tl.constexpr = (N + RS * BN - 1) // (RS * BN)  # row blocks
     tl.debug_barrier()  # this program's partial stores -> the release below
     done = tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel", scope="gpu")
     if done == SPLIT - 1:
         tl.debug_barrier()
         NSQ: tl.constexpr = NP * RS
-        if AT_ONCE and T > 1:
-            _split_rows_at_once(part_ptr, res_ptr, s_out_ptr, ssq_ptr, pid, r0, sub, T, N, BN, RS, SPLIT, NSQ)
-        else:
-            for t in tl.static_range(T):
-                for r in tl.static_range(RS):
-                    rows = r0 + r * BN + sub
-                    m = rows < N
-                    y = _split_sum(part_ptr, t, rows, m, T, N, SPLIT)
-                    res = tl.load(res_ptr + t * N + rows, mask=m, other=0.0).to(tl.float32)
-                    sv = (res + y.to(tl.bfloat16).to(tl.float32)).to(tl.bfloat16)
-                    tl.store(s_out_ptr + t * N + rows, sv, mask=m)
-                    sf = sv.to(tl.float32)
-                    tl.store(ssq_ptr + t * NSQ + pid * RS + r, tl.sum(sf * sf, axis=0))
+        for t in tl.static_range(T):
+            for r in tl.static_range(RS):
+                rows = r0 + r * BN + sub
+                m = rows < N
+                y = _split_sum(part_ptr, t, rows, m, T, N, SPLIT)
+                res = tl.load(res_ptr + t * N + rows, mask=m, other=0.0).to(tl.float32)
+                sv = (res + y.to(tl.bfloat16).to(tl.float32)).to(tl.bfloat16)
+                tl.store(s_out_ptr + t * N + rows, sv, mask=m)
+                sf = sv.to(tl.float32)
+                tl.store(ssq_ptr + t * NSQ + pid * RS + r, tl.sum(sf * sf, axis=0))
         tl.store(cnt_ptr + pid, 0)
         if NORM_LAST:
             _add_norm_last(s_out_ptr, cnt_ptr, nw_ptr, h_ptr, ssq_ptr, eps, h16_ptr, hd_ptr, hx_ptr, NP, NSQ, T, N,
-                           F16, MOE_X, INTERPRET, AT_ONCE)
-
-
-@triton.jit
-def _split_rows_at_once(part_ptr, res_ptr, s_out_ptr, ssq_ptr, pid, r0, sub, T: tl.constexpr, N: tl.constexpr,
-                        BN: tl.constexpr, RS: tl.constexpr, SPLIT: tl.constexpr, NSQ: tl.constexpr):
-    """_add_norm_tail's row-block step for every token in [TP, BN] tiles: each row tile's partials (added
-    in split order) and residual loaded for all tokens before any store, s and its sums of squares
-    written after. The same s; the squares may add in another order."""
-    TP: tl.constexpr = 2 if T <= 2 else (4 if T <= 4 else 8)
-    tt = tl.arange(0, TP)
-    tm = tt < T
-    ys = ()
-    rs = ()
-    for r in tl.static_range(RS):
-        rows = r0 + r * BN + sub
-        m = tm[:, None] & (rows < N)[None, :]
-        y = tl.load(part_ptr + tt[:, None] * N + rows[None, :], mask=m, other=0.0, cache_modifier=".cg")
-        for p in tl.static_range(1, SPLIT):
-            y += tl.load(part_ptr + (p * T + tt[:, None]) * N + rows[None, :], mask=m, other=0.0,
-                         cache_modifier=".cg")
-        ys = ys + (y,)
-        rs = rs + (tl.load(res_ptr + tt[:, None] * N + rows[None, :], mask=m, other=0.0),)
-    for r in tl.static_range(RS):
-        rows = r0 + r * BN + sub
-        m = tm[:, None] & (rows < N)[None, :]
-        sv = (rs[r].to(tl.float32) + ys[r].to(tl.bfloat16).to(tl.float32)).to(tl.bfloat16)
-        tl.store(s_out_ptr + tt[:, None] * N + rows[None, :], sv, mask=m)
-        sf = sv.to(tl.float32)
-        tl.store(ssq_ptr + tt * NSQ + pid * RS + r, tl.sum(sf * sf, axis=1), mask=tm)
+                           F16, MOE_X, INTERPRET)
 
 
 @triton.jit
 def _add_norm_last(s_out_ptr, cnt_ptr, nw_ptr, h_ptr, ssq_ptr, eps, h16_ptr, hd_ptr, hx_ptr, NP: tl.constexpr,
                    NSQ: tl.constexpr, T: tl.constexpr, N: tl.constexpr, F16: tl.constexpr, MOE_X: tl.constexpr,
-                   INTERPRET: tl.constexpr, AT_ONCE: tl.constexpr = False):
+                   INTERPRET: tl.constexpr):
     """_add_norm_tail's end: the last row block to finish (counter NP) norms all N columns."""
     tl.debug_barrier()  # s and the sums of squares -> the release below
     last = tl.atomic_add(cnt_ptr + NP, 1, sem="acq_rel", scope="gpu")
     if last == NP - 1:
         tl.debug_barrier()
-        _norm_rows(s_out_ptr, ssq_ptr, nw_ptr, h_ptr, eps, h16_ptr, hd_ptr, hx_ptr, NSQ, T, N, F16, MOE_X, INTERPRET,
-                   AT_ONCE)
+        _norm_rows(s_out_ptr, ssq_ptr, nw_ptr, h_ptr, eps, h16_ptr, hd_ptr, hx_ptr, NSQ, T, N, F16, MOE_X, INTERPRET)
         tl.store(cnt_ptr + NP, 0)
 
 
@@ -724,26 +654,11 @@ def _launch(x, w, s, y, pmax, pidx, scale_kind: int, out_kind: int, cfg: GemvCon
         _gemv(x, w, s, y, pmax, pidx, scale_kind, out_kind, cfg, bk, 1, **extra)
         return
     part = torch.empty(split, T, N, dtype=torch.float32, device=x.device)
-    if reduce_tail_enabled():  # the last split of each row block sums them: no launch of its own
-        blocks = triton.cdiv(N, cfg.bn * cfg.rs)
-        _gemv(x, w, s, part, pmax, pidx, scale_kind, 3, cfg, bk, split, REDUCE=True, red_ptr=y,
-              RED_BF16=out_kind == 0, cnt_ptr=arrival_counters(f"gemv_reduce.{N}.{K}", x.device, blocks), **extra)
-        return
     _gemv(x, w, s, part, pmax, pidx, scale_kind, 3, cfg, bk, split, **extra)
     block = 1024
     splitk_reduce_kernel[(triton.cdiv(T * N, block),)](part, s, y, TN=T * N, N=N, SPLIT=split,
                                                         SCALE=scale_kind, OUT_BF16=out_kind == 0,
                                                         BLOCK=block, num_warps=4, **pdl_args(x.device))
-
-
-def reduce_tail_enabled() -> bool:
-    """SPARKCHAT_REDUCE_TAIL=1: a split-K GEMV's last program per row block sums the partials
-    (_reduce_tail) instead of a splitk_reduce_kernel launch after it. The 4-token verify runs 86 such
-    launches (KDA's tensor-core input projection in two splits, the shared expert's gate|up in five), each
-    exposed ~2.5 µs (H100, session 28's timeline); the tail costs an atomic and one trip to L2 instead.
-    Arrival counters per GEMV shape, so that the side stream's GEMVs never share one with the main
-    stream's. Off until timed."""
-    return os.environ.get("SPARKCHAT_REDUCE_TAIL", "0") == "1"
 
 
 def f16_block_acts(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -849,7 +764,7 @@ def fp8_block_gemv_add_norm(
     if not cfg.mma and T >= fused_add_norm_min_tokens() and fused_add_norm_enabled():  # one launch
         blocks = triton.cdiv(N, cfg.bn * cfg.rs)
         ssq = torch.empty(T, blocks * cfg.rs, dtype=torch.float32, device=x.device)
-        _gemv(x, w, scale_inv, part, part, part, 0, 3, cfg, bk, split, ADD_NORM=True, TAIL_AT_ONCE=bool(tail_at_once() & 1),
+        _gemv(x, w, scale_inv, part, part, part, 0, 3, cfg, bk, split, ADD_NORM=True,
               cnt_ptr=arrival_counters("gemv_add_norm", x.device, blocks + 1), res_ptr=residual, nw_ptr=norm_w,
               s_out_ptr=s_out, h_ptr=h, ssq_ptr=ssq, eps=float(eps), **_f16_outputs(h), **_moe_x_output(h, moe_x))
         return s_out, h
