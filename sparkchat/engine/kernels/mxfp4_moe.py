@@ -999,9 +999,9 @@ _VEC1: dict[tuple[int, int, int], dict] = {
 
 
 _SHARED_STAGE1_MAXNREG = 80  # stage 1's register cap when it runs the shared expert's gate|up too
-_WINDOW_STAGE2_MAXNREG = 64  # stage 2's for several tokens when it runs the shared expert's down or sums
-# its slots for every token at once (66 registers uncapped, sm_90; capped, no stack): what the plain
-# one-warp program takes
+_WINDOW_STAGE2_MAXNREG = 64  # stage 2's for several tokens when it runs the shared expert's down, or when
+# its one-warp program sums its slots for every token at once (66 registers uncapped, sm_90; capped, no
+# stack): what the plain one-warp program takes
 
 
 def moe_config(T: int, H: int, I: int, vec: int | None = None) -> MoeConfig:
@@ -1352,10 +1352,9 @@ def _plan(T: int, K: int, H: int, inter: int, cfg: MoeConfig, paired: bool = Fal
     else:
         meta2 = dict(common, BN=bn2, RS=rs2, BKW=bkw2, UNROLL=cfg.unroll2, num_warps=cfg.warps2,
                      PRELOAD=cfg.preload2 and cfg.packed)
-    if T > 1 and tail_at_once() & 2:
-        meta2.update(SUM_AT_ONCE=True, maxnreg=_WINDOW_STAGE2_MAXNREG)
-    else:
-        meta2.update(SUM_AT_ONCE=False)
+    meta2.update(SUM_AT_ONCE=T > 1 and bool(tail_at_once() & 2))
+    if meta2["SUM_AT_ONCE"] and cfg.warps2 == 1:  # a cap, not a target: ptxas fills what it is given
+        meta2["maxnreg"] = _WINDOW_STAGE2_MAXNREG
     extra1 = extra2 = 0
     meta1.update(SHARED=0, SH_UP=0, SH_BK=0)
     meta2.update(SHARED=0, SH_BK=0, SH_GU=0, SH_ROW=0)
