@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from sparkchat.engine.kernels.counters import arrival_counters
-from sparkchat.engine.kernels.norm_rows import tail_at_once
+from sparkchat.engine.kernels.overrides import tail_at_once
 from sparkchat.engine.kernels.pdl import pdl_args, pdl_wait
 
 MAX_TOKENS = 8  # longer non-chunked steps go to the torch twin, or (no kept steps) to windows of ≤ 8
@@ -245,19 +245,18 @@ def kda_decode_kernel(
         if tl.atomic_add(cnt_ptr + h, 1, sem="acq_rel", scope="gpu") == NB - 1:
             _store_conv_state(conv_ptr, s_cv, (c + i) * s_cvc, cq, nq, T, KC)
             _store_conv_state(conv_ptr, s_cv, (D + c + i) * s_cvc, ck, nk, T, KC)
+            o_rows = ()
             if NORM_AT_ONCE:  # every position's o loaded before any is stored: one trip to L2, not T
-                os_ = ()
                 for t in tl.static_range(T):
-                    os_ = os_ + (tl.load(o_ptr + t * D + c + jj, cache_modifier=".cg").to(tl.float32),)
-                for t in tl.static_range(T):
-                    O = os_[t] * (1.0 / tl.sqrt(tl.sum(os_[t] * os_[t], axis=0) / DH + eps))
-                    tl.store(o_ptr + t * D + c + jj, _round(onw * O * tl.sigmoid(ogs[t]), odt).to(odt))
-            else:
-                for t in tl.static_range(T):
-                    op = o_ptr + t * D + c + jj
+                    o_rows = o_rows + (tl.load(o_ptr + t * D + c + jj, cache_modifier=".cg").to(tl.float32),)
+            for t in tl.static_range(T):
+                op = o_ptr + t * D + c + jj
+                if NORM_AT_ONCE:
+                    O = o_rows[t]
+                else:  # loaded after the stores before it
                     O = tl.load(op, cache_modifier=".cg").to(tl.float32)
-                    O = O * (1.0 / tl.sqrt(tl.sum(O * O, axis=0) / DH + eps))
-                    tl.store(op, _round(onw * O * tl.sigmoid(ogs[t]), odt).to(odt))
+                O = O * (1.0 / tl.sqrt(tl.sum(O * O, axis=0) / DH + eps))
+                tl.store(op, _round(onw * O * tl.sigmoid(ogs[t]), odt).to(odt))
             tl.atomic_xchg(cnt_ptr + h, 0)  # ready for the next launch
 
 

@@ -47,8 +47,8 @@ import triton.language as tl
 
 from sparkchat.engine.kernels.counters import arrival_counters
 from sparkchat.engine.kernels.device import interpreting
-from sparkchat.engine.kernels.norm_rows import _norm_rows, tail_at_once
-from sparkchat.engine.kernels.overrides import field_overrides
+from sparkchat.engine.kernels.norm_rows import _norm_rows
+from sparkchat.engine.kernels.overrides import field_overrides, tail_at_once
 from sparkchat.engine.kernels.packed_acts import _HI16, _X_SCALE, _bf16_round, _store_packed
 from sparkchat.engine.kernels.pdl import pdl_args, pdl_wait
 

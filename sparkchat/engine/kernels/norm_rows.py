@@ -4,8 +4,6 @@ in the forms the kernels after it read."""
 
 from __future__ import annotations
 
-import os
-
 import triton
 import triton.language as tl
 
@@ -13,19 +11,6 @@ from sparkchat.engine.kernels.packed_acts import _store_packed
 from sparkchat.engine.kernels.pdl import pdl_wait
 
 SCALE_BLOCK: tl.constexpr = tl.constexpr(128)  # the release's FP8 weight block, both ways
-
-
-def tail_at_once() -> int:
-    """SPARKCHAT_TAIL_AT_ONCE, bits: which of a verify window's serial tails take all its tokens at once,
-    every load before any store, instead of one token after another — 2: MoE stage 2's sum of the slots
-    (mxfp4_moe._sum_slots); 4: KDA's gated output norm, run by each head's last program
-    (kda_decode_kernel). One token after another, each token's loads wait for the stores before them
-    (the compiler cannot move a load above a store that may alias it): T trips to L2 where one would do.
-    Both on by default (6): the H100's graphed 4-token verify 4.338 -> 4.247 ms (medians of 6 rounds,
-    docs/benchmarks.md session 30), outputs bit for bit the same. (Bit 1 did the same for the output
-    projection's fused add+norm and its norm: slower in the verify, 16.0 -> 18.9 µs exposed a call, and
-    removed.)"""
-    return int(os.environ.get("SPARKCHAT_TAIL_AT_ONCE", "6"))
 
 
 @triton.jit

@@ -1,6 +1,7 @@
 """Kernel config fields from an environment variable, for timing configs where they run (the graphed
 step, through benchmarks/profile_step.py --switch NAME=V1,V2): items `<key>.<field>:<value>` joined by
-`/` (profile_step lists values with commas), the key naming the call shape they apply to."""
+`/` (profile_step lists values with commas), the key naming the call shape they apply to; and the
+kernel switches read by more than one kernel module (tail_at_once)."""
 
 from __future__ import annotations
 
@@ -28,3 +29,16 @@ def field_overrides(variable: str, config_cls: type, key: str, key_ok: Callable[
         if item_key == key:
             out[name] = bool(int(value)) if types[name] in (bool, "bool") else int(value)
     return out
+
+
+def tail_at_once() -> int:
+    """SPARKCHAT_TAIL_AT_ONCE, bits: which of a verify window's serial tails take all its tokens at once,
+    every load before any store, instead of one token after another — 2: MoE stage 2's sum of the slots
+    (mxfp4_moe._sum_slots); 4: KDA's gated output norm, run by each head's last program
+    (kda_decode_kernel). One token after another, each token's loads wait for the stores before them
+    (the compiler cannot move a load above a store that may alias it): T trips to L2 where one would do.
+    Both on by default (6): the H100's graphed 4-token verify 4.338 -> 4.247 ms (medians of 6 rounds,
+    docs/benchmarks.md session 30), outputs bit for bit the same. (Bit 1 did the same for the output
+    projection's fused add+norm and its norm: slower in the verify, 16.0 -> 18.9 µs exposed a call, and
+    removed.)"""
+    return int(os.environ.get("SPARKCHAT_TAIL_AT_ONCE", "6"))
