@@ -95,15 +95,18 @@ for i, layer in enumerate(model.layers):  # as install() does with SPARKCHAT_MOE
     layer.next_norm = nxt if fe is not None and fe.add_norm else None
     nxt.split_ok = fe is not None and fe.add_norm == 2 and i + 1 < len(model.layers)
 import functools
-split_inputs = []
+split_inputs, split_windows = [], []
 def split_add_norm(*args, **kw):
     split_inputs.append(kw.get("split_norm", False))
+    if kw.get("split_norm", False):
+        split_windows.append(args[0].shape[0])
     return fp8_block_gemv_add_norm(*args, moe_x=True, **kw)
 for i, layer in enumerate(model.layers):  # as install() does with SPARKCHAT_MOE_X_PACKED=1
     if isinstance(layer.mlp, moe.MoE):
         layer.attention.out_proj.fast_add_norm = split_add_norm
         # the MoE input norm split between the output projection and the router (SPARKCHAT_SPLIT_MOE_INPUT_NORM=1)
         layer.post_attention_layernorm.split_ok = i >= 2 or together
+        layer.post_attention_layernorm.split_window = 4 if together else 1  # SPARKCHAT_SPLIT_NORM_WINDOW=4
 from sparkchat.engine.kernels.router import route
 ops.route = route
 fast = logits()
@@ -127,7 +130,9 @@ assert any(packed_x), packed_x  # decode steps' MoE layers got their input packe
 if together:  # one-token steps take every candidate; longer windows what applies to them
     assert any(in_stages) and any(normed) and any(split_reads) and any(split_inputs), (in_stages, normed, split_inputs)
     assert any(late_adds), late_adds  # the verify's window: the next norm is not stage 2's there
+    assert 4 in split_windows, split_windows  # the verify's window: its MoE input norms split too
 else:
+    assert set(split_windows) == {1}, split_windows  # SPARKCHAT_SPLIT_NORM_WINDOW's default: one token
     assert any(in_stages) and not all(in_stages), in_stages  # decode steps: shared experts in the stages and beside
     assert any(normed) and not all(normed), normed  # decode steps: the next norm in stage 2 and in its own kernel
     assert any(late_adds), late_adds  # a shared expert's output added by the next layer's add+norm

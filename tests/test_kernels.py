@@ -401,8 +401,10 @@ def test_moe_slot_sum_with_every_token_at_once_gpu(T, monkeypatch):
 
 
 @gpu
-def test_moe_input_norm_finished_by_the_router_gpu():
-    """SPARKCHAT_SPLIT_MOE_INPUT_NORM=1 at the Ling shapes with the engine's configs: KDA's output
+@pytest.mark.parametrize("T", [1, 4])
+def test_moe_input_norm_finished_by_the_router_gpu(T):
+    """SPARKCHAT_SPLIT_MOE_INPUT_NORM=1 at the Ling shapes with the engine's configs (at T = 4, a verify
+    window with SPARKCHAT_SPLIT_NORM_WINDOW=4: the shared gate|up on the tensor cores): KDA's output
     projection writes s and its sums of squares, the shared expert's gate|up applies the norm without
     writing it, the router's logits GEMV applies it and writes h and stage 1's planes."""
     import dataclasses
@@ -413,11 +415,11 @@ def test_moe_input_norm_finished_by_the_router_gpu():
     gen = torch.Generator().manual_seed(23)
     wo, so = make_fp8(2560, 4096, "cuda", gen)
     wg, sg = make_fp8(1536, 2560, "cuda", gen)
-    wr = (torch.randn(256, 2560, generator=gen) / 50).bfloat16().cuda()
+    wr = (torch.randn(512, 2560, generator=gen) / 50).bfloat16().cuda()
     nw = (torch.rand(2560, generator=gen) + 0.5).bfloat16().cuda()
     for _ in range(3):
-        o = torch.randn(1, 4096, generator=gen).bfloat16().cuda()
-        res = (torch.randn(1, 2560, generator=gen) * 3).bfloat16().cuda()
+        o = torch.randn(T, 4096, generator=gen).bfloat16().cuda()
+        res = (torch.randn(T, 2560, generator=gen) * 3).bfloat16().cuda()
         s_ref, h_ref = fp8_block_gemv_add_norm(o, wo, so, res, nw, 1e-6, moe_x=True)
         s, h = fp8_block_gemv_add_norm(o, wo, so, res, nw, 1e-6, moe_x=True, split_norm=True)
         assert torch.equal(s, s_ref)
@@ -937,37 +939,40 @@ _SPLIT_MOE_INPUT_SCRIPT = textwrap.dedent("""
     wg, sg = make_fp8(64, H, gen=gen)  # a shared expert's gate|up
     wr = (torch.randn(16, H, generator=gen) / 16).bfloat16()  # the router
     nw = (torch.rand(H, generator=gen) + 0.5).bfloat16()
-    o = torch.randn(1, D, generator=gen).bfloat16()
-    res = (torch.randn(1, H, generator=gen) * 2).bfloat16()
     ocfg = GemvConfig(bn=8, rs=1, bk=64, warps=2, split=2)
-    s_ref, h_ref = fp8_block_gemv_add_norm(o, wo, so, res, nw, 1e-6, config=ocfg, moe_x=True)
-    s, h = fp8_block_gemv_add_norm(o, wo, so, res, nw, 1e-6, config=ocfg, moe_x=True, split_norm=True)
-    assert torch.equal(s, s_ref) and h.split_norm.ssq.shape == (1, H // 8)
-    h.fill_(float("nan")); h.moe_x.fill_(float("nan"))
-    # the shared expert beside the router: applies the norm, writes nothing
-    view = h.view_as(h)
-    view.split_norm = dataclasses.replace(h.split_norm, write=False)
-    gcfg = GemvConfig(bn=16, rs=1, bk=64, warps=2, split=2)
-    shared = fp8_block_gemv(view, wg, sg, split_norm=take_split_norm(view), config=gcfg)
-    assert torch.isnan(h).all() and torch.isnan(h.moe_x).all()
-    # the router's GEMV: applies the norm and writes it, and the MoE stage 1's packed planes
-    logits = plain_gemv_partials(h, wr, GemvConfig(bn=4, rs=1, bk=64, warps=1, split=2), split_norm=take_split_norm(h))
-    assert not hasattr(h, "split_norm")
+    rcfg = GemvConfig(bn=4, rs=1, bk=64, warps=1, split=2)
+    fma = GemvConfig(bn=16, rs=1, bk=64, warps=2, split=2)
+    mma = GemvConfig(bn=32, rs=1, bk=64, warps=4, mma=True, split=2)  # a verify window's shared gate|up
     close = lambda a, b: ((a.float() - b.float()).norm() / b.float().norm()).item() < 1e-2
-    assert (h == h_ref).float().mean() > 0.95 and close(h, h_ref)  # up to the squares' summation order
-    assert torch.equal(h.moe_x, pack_moe_x(h))  # the planes of the very h it wrote
-    assert close(shared, fp8_block_gemv(h_ref, wg, sg, config=gcfg))
-    want = plain_gemv_partials(h_ref, wr, GemvConfig(bn=4, rs=1, bk=64, warps=1, split=2))
-    assert close(logits.sum(0), want.sum(0))
+    for T, gcfg in ((1, fma), (4, fma), (4, mma)):
+        o = torch.randn(T, D, generator=gen).bfloat16()
+        res = (torch.randn(T, H, generator=gen) * 2).bfloat16()
+        s_ref, h_ref = fp8_block_gemv_add_norm(o, wo, so, res, nw, 1e-6, config=ocfg, moe_x=True)
+        s, h = fp8_block_gemv_add_norm(o, wo, so, res, nw, 1e-6, config=ocfg, moe_x=True, split_norm=True)
+        assert torch.equal(s, s_ref) and h.split_norm.ssq.shape == (T, H // 8)
+        h.fill_(float("nan")); h.moe_x.fill_(float("nan"))
+        # the shared expert beside the router: applies the norm (the tensor-core kernel has it written
+        # into a tensor of its own first), writes neither h nor its planes
+        view = h.view_as(h)
+        view.split_norm = dataclasses.replace(h.split_norm, write=False)
+        shared = fp8_block_gemv(view, wg, sg, split_norm=take_split_norm(view), config=gcfg)
+        assert torch.isnan(h).all() and torch.isnan(h.moe_x).all(), T
+        # the router's GEMV: applies the norm and writes it, and the MoE stage 1's packed planes
+        logits = plain_gemv_partials(h, wr, rcfg, split_norm=take_split_norm(h))
+        assert not hasattr(h, "split_norm")
+        assert (h == h_ref).float().mean() > 0.95 and close(h, h_ref), T  # up to the squares' summation order
+        assert torch.equal(h.moe_x, pack_moe_x(h)), T  # the planes of the very h it wrote
+        assert close(shared, fp8_block_gemv(h_ref, wg, sg, config=gcfg)), T
+        assert close(logits.sum(0), plain_gemv_partials(h_ref, wr, rcfg).sum(0)), T
     print("interpreter ok")
 """)
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 def test_moe_input_norm_finished_by_the_router_under_triton_interpreter():
-    """SPARKCHAT_SPLIT_MOE_INPUT_NORM=1: the output projection writes s and its sums of squares; the
-    shared expert's GEMV applies the norm without writing it, the router's GEMV applies it and writes h
-    and stage 1's planes."""
+    """SPARKCHAT_SPLIT_MOE_INPUT_NORM=1 (and SPARKCHAT_SPLIT_NORM_WINDOW=4 for verify windows): the output
+    projection writes s and its sums of squares; the shared expert's GEMV applies the norm without
+    writing it, the router's GEMV applies it and writes h and stage 1's planes."""
     _run_interpreted(_SPLIT_MOE_INPUT_SCRIPT)
 
 

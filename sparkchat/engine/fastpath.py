@@ -201,6 +201,14 @@ def split_moe_input_norm_enabled() -> bool:
     return os.environ.get("SPARKCHAT_SPLIT_MOE_INPUT_NORM", "1") == "1"
 
 
+def split_norm_window() -> int:
+    """SPARKCHAT_SPLIT_NORM_WINDOW=T: the MoE input norm is split (split_moe_input_norm_enabled) for
+    windows of up to T tokens (default 1). In a verify window the output projection's add+norm then ends
+    without its last row block's serial norm over every token; the router's GEMV finishes the norm as at
+    one token, and the shared expert's tensor-core gate|up has the norm written for it first."""
+    return max(1, int(os.environ.get("SPARKCHAT_SPLIT_NORM_WINDOW", "1")))
+
+
 def paired_words_enabled() -> bool:
     """The MXFP4 experts are reordered into the kernels' paired word layout when the MoE kernels are
     installed, unless SPARKCHAT_MOE_PAIRED=0 (then the kernels decode the checkpoint's order)."""
@@ -363,6 +371,7 @@ def install(model, *, linears: bool, experts: bool, head: bool) -> None:
         post.split_ok = (split_moe_input_norm_enabled() and linears and isinstance(m, MoE)
                          and m.fast_experts is not None and layer.attention.out_proj.fast_add_norm is not None
                          and (shared is None or (shared.fused is not None and shared.fused.fast is not None)))
+        post.split_window = split_norm_window()
     # a MoE layer hands the next layer its input already added and normed (the next norm passed to it)
     for i, layer in enumerate(layers):
         nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else getattr(model, "norm", None)

@@ -74,7 +74,7 @@ class DecoderLayer(nn.Module):
             o, steps = self.attention(h, state.kda[self.idx], keep_steps=keep_steps, chunked=chunked,
                                       project_out=False)
         post = self.post_attention_layernorm
-        x, h = project_add_norm(self.attention.out_proj, o, x, post.weight, post.eps, split=post.split_ok)
+        x, h = project_add_norm(self.attention.out_proj, o, x, post.weight, post.eps, split=post.splits(x))
         if self.next_norm is not None:  # the MoE's last launch adds its output and runs the next norm
             x, h_next = self.mlp(h, add_norm=(x, self.next_norm))  # (or its first half: SplitNormInput)
             return x, h_next if isinstance(h_next, SplitNormInput) else NormedInput(h_next, self.next_norm), steps

@@ -688,12 +688,14 @@ class SplitNorm:
     planes: torch.Tensor | None = None  # h as the MoE's packed stage 1 reads it (h.moe_x), written with h
 
     def finish(self, h: torch.Tensor) -> torch.Tensor:
-        """Write the norm's output into h (norm_rows_kernel; and its planes) and return it."""
+        """The norm's output (norm_rows_kernel): written into h (and its planes), or for a reader that only
+        applies it (write off; another kernel writes h) into a tensor of its own."""
         T, N = self.s.shape
-        planes = {} if self.planes is None else dict(hx_ptr=self.planes, MOE_X=True)
-        norm_rows_kernel[(1,)](self.s, self.ssq, self.weight, h, float(self.eps), NSQ=self.ssq.shape[1], T=T, N=N,
-                               INTERPRET=interpreting(), num_warps=8, **planes, **pdl_args(h.device))
-        return h
+        out = h if self.write else torch.empty_like(h)
+        planes = dict(hx_ptr=self.planes, MOE_X=True) if self.planes is not None and self.write else {}
+        norm_rows_kernel[(1,)](self.s, self.ssq, self.weight, out, float(self.eps), NSQ=self.ssq.shape[1], T=T,
+                               N=N, INTERPRET=interpreting(), num_warps=8, **planes, **pdl_args(h.device))
+        return out
 
     def kernel_args(self, h: torch.Tensor) -> dict:
         """fp8_gemv_kernel's arguments for reading x as this norm's output (its x_ptr: self.s)."""
@@ -723,7 +725,7 @@ def fp8_block_gemv(
     assert out.shape == (T, N) and out.dtype == torch.bfloat16 and out.is_contiguous()
     cfg = config or gemv_config("block", T, N, K)
     if split_norm is not None and cfg.mma:  # the tensor-core kernel takes its activations in other forms
-        split_norm.finish(x)
+        x = split_norm.finish(x)
         split_norm = None
     x, extra = _split_norm_input(x, split_norm)
     _launch(x, w, scale_inv, out, out, out, 0, 0, cfg, x_f16=x_f16, **extra)

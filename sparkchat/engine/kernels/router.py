@@ -125,7 +125,7 @@ def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, groups: int
         logits = plain_gemv_partials(x, weight, gemv, split_norm=split)  # [S, T, E]: summed in order
     else:
         if split is not None:
-            split.finish(x)
+            x = split.finish(x)
         logits = (x.float() @ weight.float().T).contiguous()[None]
     ids = torch.empty(T, top_k, dtype=torch.int64, device=x.device)
     w = torch.empty(T, top_k, dtype=torch.float32, device=x.device)

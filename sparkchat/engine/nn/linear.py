@@ -71,7 +71,7 @@ class Linear(nn.Module):
         if getattr(x, "split_norm", None) is not None:  # a norm's output the fast GEMV would have written
             from sparkchat.engine.kernels.fp8_gemv import take_split_norm
 
-            take_split_norm(x).finish(x)
+            x = take_split_norm(x).finish(x)
         return F.linear(x, self.dense_weight(x.dtype))
 
     def extra_repr(self) -> str:
@@ -126,11 +126,11 @@ def project_add_norm(lin: Linear, o: torch.Tensor, residual: torch.Tensor, norm_
                      eps: float, split: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(residual + lin(o), RMSNorm of that sum): a layer's output projection and the add and norm after
     it, in one GEMV plus its split-K reduce on the GPU path (`fast_add_norm`), else ops.add_rms_norm.
-    split (the norm's readers can finish it, RMSNorm.split_ok): at one token the GEMV writes the sum and
-    its sums of squares only, and the norm's output comes unwritten (its `.split_norm`)."""
+    split (the norm's readers can finish it: RMSNorm.splits): the GEMV writes the sum and its sums of
+    squares only, and the norm's output comes unwritten (its `.split_norm`)."""
     if (lin.fast_add_norm is not None and lin.is_fp8 and o.shape[0] <= GEMV_MAX_TOKENS
             and residual.dtype == norm_w.dtype == o.dtype == torch.bfloat16):
-        extra = {"split_norm": True} if split and o.shape[0] == 1 else {}
+        extra = {"split_norm": True} if split else {}
         return lin.fast_add_norm(o.contiguous(), lin.weight, lin.weight_scale_inv, residual.contiguous(), norm_w, eps,
                                  **extra)
     return ops.add_rms_norm(residual, lin(o), norm_w, eps)

@@ -23,6 +23,12 @@ class RMSNorm(nn.Module):
         # set by fastpath.install (SPARKCHAT_MOE_ADD_NORM=2, SPARKCHAT_SPLIT_MOE_INPUT_NORM=1): this norm's
         # output is read first by kernels that can finish a split norm as they load its input (SplitNorm)
         self.split_ok = False
+        # the longest window whose norm is split where split_ok (fastpath.install; SPARKCHAT_SPLIT_NORM_WINDOW)
+        self.split_window = 1
+
+    def splits(self, x: torch.Tensor) -> bool:
+        """True when this norm of x (a window of x.shape[0] tokens) is left for its readers to finish."""
+        return self.split_ok and x.shape[0] <= self.split_window
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return ops.rms_norm(x, self.weight, self.eps)
