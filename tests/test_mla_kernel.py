@@ -114,10 +114,27 @@ def check(T, H, R, P, NOPE, V, attend, positions, splits, block_n, device, *, se
     return err / ulp_bound(want, 1), twin_err / ulp_bound(want, 1)
 
 
+def same_in_every_combine_mode(T, H, R, P, NOPE, V, attend, positions, splits, block_n, device) -> None:
+    """The merge + unfold with a window's tokens all made before any is stored (combine 1) or in a program
+    each (combine 2) gives one token after another's output (combine 0) bit for bit."""
+    from sparkchat.engine.kernels.mla_decode import MlaDecodeConfig, mla_decode_step
+
+    outs = []
+    for mode in (0, 1, 2):
+        q, kv_a, gl, cos, sin, pos, C, KR, norm_w, eps, w_kv = inputs(T, H, R, P, NOPE, V, attend, positions,
+                                                                     device, seed=1)
+        outs.append(mla_decode_step(q, kv_a, gl, cos, sin, pos, C, KR, norm_w, eps, w_kv, attend, (NOPE + P) ** -0.5,
+                                    NOPE, splits=splits, config=MlaDecodeConfig(block_n=block_n, combine=mode)))
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2]), (T, positions)
+
+
 def run_all(device: str) -> None:
     for case in CASES:
         check(*case, device)
     check(*REAL, device)
+    for case in [*CASES, REAL]:
+        if case[0] > 1:
+            same_in_every_combine_mode(*case, device)
     # The check has teeth: a twin that lets one garbage row through must not match the kernel.
     try:
         check(*CASES[0], device, leak=True)

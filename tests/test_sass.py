@@ -310,3 +310,16 @@ def test_kda_output_norm_with_every_position_at_once_makes_one_trip(arch):
     sass, sass_before = s.disassemble(at_once, name), s.disassemble(serial, name)
     if sass is not None:
         assert s.load_trips_after(sass, 1) == 1 < s.load_trips_after(sass_before, 1)
+
+
+def test_mla_merge_and_unfold_of_a_window_in_one_trip_to_memory():
+    """A 4-token verify's MLA merge + unfold: one token after another (combine 0) each token's loads wait
+    for the stores before them, 4 runs of loads (sm_90); with every token's output made before any store
+    (1) or a program per token (2) one run, without a stack (1: 216 registers against 171; 2: 94)."""
+    s = _tools()
+    runs = {}
+    for mode in (0, 1, 2):
+        k = s.mla_kernels(90, 4, 232448, combine=mode)["mla_combine_unfold_kernel"]
+        runs[mode] = s.load_trips_after(s.disassemble(k, "mla_combine_unfold_kernel"), 0)
+        assert s.stack_frame(k, "mla_combine_unfold_kernel") == 0, mode
+    assert runs == {0: 4, 1: 1, 2: 1}, runs

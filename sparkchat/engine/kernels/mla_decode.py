@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from dataclasses import dataclass, replace
 
 import torch
@@ -231,10 +232,14 @@ def mla_combine_unfold_kernel(
     T: tl.constexpr, H: tl.constexpr, M: tl.constexpr, R: tl.constexpr, NOPE: tl.constexpr, V: tl.constexpr,
     BLOCK_V: tl.constexpr, SC: tl.constexpr, INTERPRET: tl.constexpr, CHUNKS: tl.constexpr,
     PDL: tl.constexpr = False,  # CHUNKS: cdiv(S, SC), the interpreter's loop bound only (0 on GPUs)
+    MODE: tl.constexpr = 0,  # how a window's tokens share the work (MlaDecodeConfig.combine)
 ):
-    """Head program_id(0), value columns [program_id(1)*BLOCK_V, +BLOCK_V), for all T tokens: merge the
-    S split partials of the head's row by exp2(lse_s - lse), round (the twin's bf16 o_latent), unfold with
-    W_uv, round, times the gate, round: out[t, h*V + v]. S is a runtime value so buckets share code."""
+    """Head program_id(0), value columns [program_id(1)*BLOCK_V, +BLOCK_V), for all T tokens (MODE 2: for
+    token program_id(2) only): merge the S split partials of the head's row by exp2(lse_s - lse), round
+    (the twin's bf16 o_latent), unfold with W_uv, round, times the gate, round: out[t, h*V + v]. S is a
+    runtime value so buckets share code. MODE 0: one token after another (each token's loads wait for the
+    stores before them: the compiler cannot move a load above a store that may alias it); 1: every
+    token's output made before any is stored; 2: a program per token."""
     h = tl.program_id(0)
     v = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
     rr = tl.arange(0, R)
@@ -242,14 +247,34 @@ def mla_combine_unfold_kernel(
     w = tl.load(w_ptr + h * s_wh + (NOPE + v)[:, None] * s_wn + rr[None, :], mask=v_ok[:, None],
                 other=0.0).to(tl.float32)  # W_uv, a weight: read pre-wait
     pdl_wait(PDL)
-    for tt in tl.static_range(T):
-        if INTERPRET:  # the interpreter cannot loop to a scalar argument
-            o = _merge_splits(po_ptr, plse_ptr, tt * H + h, S, CHUNKS, M, R, SC)
-        else:
-            o = _merge_splits(po_ptr, plse_ptr, tt * H + h, S, tl.cdiv(S, SC), M, R, SC)
-        y = _round_bf16(tl.sum(w * o[None, :], axis=1))
-        gt = tl.load(gate_ptr + tt * H + h).to(tl.float32)
-        tl.store(out_ptr + tt * s_out + h * V + v, _round_bf16(y * gt).to(out_ptr.dtype.element_ty), mask=v_ok)
+    if MODE == 2:
+        tt = tl.program_id(2)
+        y = _unfold_token(po_ptr, plse_ptr, gate_ptr, w, tt, h, S, H, M, R, SC, INTERPRET, CHUNKS)
+        tl.store(out_ptr + tt * s_out + h * V + v, y.to(out_ptr.dtype.element_ty), mask=v_ok)
+    elif MODE == 1:
+        ys = ()
+        for tt in tl.static_range(T):
+            ys = ys + (_unfold_token(po_ptr, plse_ptr, gate_ptr, w, tt, h, S, H, M, R, SC, INTERPRET, CHUNKS),)
+        for tt in tl.static_range(T):
+            tl.store(out_ptr + tt * s_out + h * V + v, ys[tt].to(out_ptr.dtype.element_ty), mask=v_ok)
+    else:
+        for tt in tl.static_range(T):
+            y = _unfold_token(po_ptr, plse_ptr, gate_ptr, w, tt, h, S, H, M, R, SC, INTERPRET, CHUNKS)
+            tl.store(out_ptr + tt * s_out + h * V + v, y.to(out_ptr.dtype.element_ty), mask=v_ok)
+
+
+@triton.jit
+def _unfold_token(po_ptr, plse_ptr, gate_ptr, w, tt, h, S, H: tl.constexpr, M: tl.constexpr, R: tl.constexpr,
+                  SC: tl.constexpr, INTERPRET: tl.constexpr, CHUNKS: tl.constexpr):
+    """Token tt's output columns of head h (w: their W_uv rows, fp32 [BLOCK_V, R]): merged, unfolded,
+    gated, each step rounded to bf16 as the twin rounds."""
+    if INTERPRET:  # the interpreter cannot loop to a scalar argument
+        o = _merge_splits(po_ptr, plse_ptr, tt * H + h, S, CHUNKS, M, R, SC)
+    else:
+        o = _merge_splits(po_ptr, plse_ptr, tt * H + h, S, tl.cdiv(S, SC), M, R, SC)
+    y = _round_bf16(tl.sum(w * o[None, :], axis=1))
+    gt = tl.load(gate_ptr + tt * H + h).to(tl.float32)
+    return _round_bf16(y * gt)
 
 
 @dataclass(frozen=True)
@@ -272,6 +297,9 @@ class MlaDecodeConfig:
     unfold_block_v: int = 32  # output columns per unfold program: heads x v_dim/32 programs
     unfold_warps: int = 8  # holds a [32, rank] W_uv tile and a [16, rank] fp32 tile of partials
     combine_chunk: int = 16  # splits merged at a time: the 16 splits of a 1K context in one go
+    # a verify window's tokens in the merge + unfold (mla_combine_unfold_kernel's MODE): 0 one after another
+    # in each program, 1 all made before any is stored, 2 a program each (SPARKCHAT_MLA_COMBINE)
+    combine: int = 0
 
 
 def split_smem_estimate(block_m: int, block_n: int, stages: int, rank: int, rope: int) -> int:
@@ -282,7 +310,7 @@ def split_smem_estimate(block_m: int, block_n: int, stages: int, rank: int, rope
 
 def default_config(device: torch.device, rank: int, rope: int) -> MlaDecodeConfig:
     """MlaDecodeConfig() with block_n halved until the split kernel fits `device`'s shared memory."""
-    cfg = MlaDecodeConfig()
+    cfg = replace(MlaDecodeConfig(), combine=int(os.environ.get("SPARKCHAT_MLA_COMBINE", "0")))
     limit = max_shared_memory(device)
     block_n = cfg.block_n
     while block_n > 16 and split_smem_estimate(cfg.block_m, block_n, cfg.stages, rank, rope) > 0.9 * limit:
@@ -367,9 +395,10 @@ def mla_decode_step(q: torch.Tensor, kv_a: torch.Tensor, g: torch.Tensor, cos: t
     out = torch.empty(T, H * V, dtype=q.dtype, device=dev)
     block_v = min(cfg.unfold_block_v, triton.next_power_of_2(V))
     sc = min(cfg.combine_chunk, triton.next_power_of_2(S))
-    mla_combine_unfold_kernel[(H, triton.cdiv(V, block_v))](
+    mode = cfg.combine if T > 1 else 0  # one token: the same program either way
+    mla_combine_unfold_kernel[(H, triton.cdiv(V, block_v), T if mode == 2 else 1)](
         po, plse, w_kv, gate, out, S, w_kv.stride(0), w_kv.stride(1), out.stride(0),
         T=T, H=H, M=M, R=R, NOPE=nope, V=V, BLOCK_V=block_v, SC=sc, INTERPRET=interp,
-        CHUNKS=triton.cdiv(S, sc) if interp else 0, num_warps=cfg.unfold_warps, **pdl,
+        CHUNKS=triton.cdiv(S, sc) if interp else 0, MODE=mode, num_warps=cfg.unfold_warps, **pdl,
     )
     return out
