@@ -144,22 +144,25 @@ oproj4() {
         2>&1 | tee "$OUT/ab-oproj4.txt"
 }
 
-# Two candidates for the 4-token verify, built in session 31 (off by default until timed):
-# - SPARKCHAT_SPLIT_NORM_WINDOW=4: the MoE input norm split as at one token (the output projection's
-#   add+norm ends without its last row block's serial norm over the 4 tokens; the router's GEMV finishes
+# Session 31's two verify-window changes, default since its H100 runs (the graphed 4-token verify 4.346 ->
+# 4.121 ms with both, medians of 6 rounds), on the H200 next:
+# - SPARKCHAT_SPLIT_NORM_WINDOW (5): the MoE input norm split as at one token (the output projection's
+#   add+norm ends without its last row block's serial norm over the window; the router's GEMV finishes
 #   the norm, the shared gate|up on the side stream has it written for itself first);
-# - SPARKCHAT_MLA_COMBINE=1|2: MLA's merge + unfold with the window's tokens all made before any store, or
-#   a program per token (4 runs of loads -> 1 on sm_90; 15.6 us exposed a call in the H100's 4-token verify).
-# Their GPU kernel tests, the GPU engine tests with both on, then the graphed step and verify, 3 rounds
-# each against off, and the verify's timeline with both on.
+# - SPARKCHAT_MLA_COMBINE=2: MLA's merge + unfold a program per token (1: every token's output made before
+#   any store; 0: one after another, 4 runs of loads on sm_90).
+# Their GPU kernel tests and the GPU engine tests, then the graphed step and verify with both against both
+# off, 4 rounds, then each alone against off.
 verify4() {
     timeout 150 python3 -m pytest -q tests/test_kernels.py tests/test_mla_kernel.py \
         -k "finished_by_the_router_gpu or on_cuda" 2>&1 | tail -3 | tee "$OUT/kernel-tests.txt"
     tiny_models || return 1
-    SPARKCHAT_SPLIT_NORM_WINDOW=4 SPARKCHAT_MLA_COMBINE=1 timeout 150 python3 -m pytest -q -x tests/test_gpu_engine.py \
-        -k "fast_path_matches or lossless" 2>&1 | tail -3 | tee "$OUT/engine.txt"
-    timeout 330 python3 benchmarks/profile_step.py --rounds 3 --switch SPARKCHAT_SPLIT_NORM_WINDOW=4 \
-        --switch SPARKCHAT_MLA_COMBINE=1,2 2>&1 | tee "$OUT/ab-verify4.txt"
+    timeout 150 python3 -m pytest -q -x tests/test_gpu_engine.py -k "fast_path_matches or lossless" 2>&1 | tail -3 \
+        | tee "$OUT/engine.txt"
+    timeout 200 python3 benchmarks/profile_step.py --rounds 4 \
+        --switch SPARKCHAT_SPLIT_NORM_WINDOW=5+SPARKCHAT_MLA_COMBINE=2 2>&1 | tee "$OUT/ab-verify4-both.txt"
+    timeout 200 python3 benchmarks/profile_step.py --rounds 3 --switch SPARKCHAT_SPLIT_NORM_WINDOW=5 \
+        --switch SPARKCHAT_MLA_COMBINE=2,1 2>&1 | tee "$OUT/ab-verify4.txt"
 }
 
 # `sparkchat bench` with the defaults (the headline row and the Spark projection) and the GPU engine

@@ -335,10 +335,11 @@ MLA_SPLIT_SIG |= {"pos_ptr": "*i64", "po_ptr": "*fp32", "plse_ptr": "*fp32", "at
 MLA_SPLIT_SIG |= {k: "i32" for k in ("s_ql_t", "s_ql_h", "s_qr_t", "s_qr_h", "s_c", "s_kr")}
 
 
-def mla_kernels(arch: int, T: int, smem: int, combine: int = 0) -> dict[str, object]:
+def mla_kernels(arch: int, T: int, smem: int, combine: int | None = None) -> dict[str, object]:
     """The three MLA step kernels compiled as `mla_decode_step` launches them at the Ling shapes (32 heads,
     rank 512, rope 64, nope and v 128) for T tokens on a device whose programs get `smem` bytes of shared
-    memory (227 KiB: the H200; 99 KiB: sm_12x), the merge + unfold in MODE `combine`: {name: compiled kernel}."""
+    memory (227 KiB: the H200; 99 KiB: sm_12x), the merge + unfold in MODE `combine` (None: the engine's
+    config; one token always 0): {name: compiled kernel}."""
     import torch
 
     from sparkchat.engine.kernels import mla_decode as m
@@ -365,7 +366,8 @@ def mla_kernels(arch: int, T: int, smem: int, combine: int = 0) -> dict[str, obj
             cfg.warps, arch, cfg.stages),
         "mla_combine_unfold_kernel": compile_kernel(m.mla_combine_unfold_kernel, comb, dict(
             T=T, H=Hh, M=T * Hh, R=R, NOPE=NOPE, V=V, BLOCK_V=cfg.unfold_block_v, SC=cfg.combine_chunk,
-            INTERPRET=False, CHUNKS=0, PDL=True, MODE=combine), cfg.unfold_warps, arch),
+            INTERPRET=False, CHUNKS=0, PDL=True, MODE=(cfg.combine if combine is None else combine) if T > 1 else 0),
+            cfg.unfold_warps, arch),
     }
 
 

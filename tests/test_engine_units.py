@@ -485,3 +485,23 @@ def test_the_side_streams_view_of_a_split_norm_reads_it_and_keeps_it():
     assert take_split_norm(view).ssq is h.split_norm.ssq and hasattr(view, "split_norm")  # kept
     assert take_split_norm(h).write and not hasattr(h, "split_norm")  # taken by its writer
     assert take_split_norm(h) is None
+
+
+def test_split_norm_window_covers_every_verify_window_unless_set(monkeypatch):
+    """SPARKCHAT_SPLIT_NORM_WINDOW: the MoE input norm split up to 5 tokens by default (verify windows of
+    up to 4 drafts), one-token steps only with 1; RMSNorm.splits asks both it and split_ok."""
+    from sparkchat.engine import fastpath
+    from sparkchat.engine.nn.norm import RMSNorm
+
+    monkeypatch.delenv("SPARKCHAT_SPLIT_NORM_WINDOW", raising=False)
+    assert fastpath.split_norm_window() == 5
+    monkeypatch.setenv("SPARKCHAT_SPLIT_NORM_WINDOW", "1")
+    assert fastpath.split_norm_window() == 1
+    monkeypatch.setenv("SPARKCHAT_SPLIT_NORM_WINDOW", "0")  # off in profile_step's A/B: one token still splits
+    assert fastpath.split_norm_window() == 1
+    norm = RMSNorm(8)
+    norm.split_window = 4
+    x4, x5 = torch.zeros(4, 8), torch.zeros(5, 8)
+    assert not norm.splits(x4)  # split_ok off
+    norm.split_ok = True
+    assert norm.splits(x4) and not norm.splits(x5)

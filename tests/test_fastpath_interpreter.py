@@ -106,7 +106,7 @@ for i, layer in enumerate(model.layers):  # as install() does with SPARKCHAT_MOE
         layer.attention.out_proj.fast_add_norm = split_add_norm
         # the MoE input norm split between the output projection and the router (SPARKCHAT_SPLIT_MOE_INPUT_NORM=1)
         layer.post_attention_layernorm.split_ok = i >= 2 or together
-        layer.post_attention_layernorm.split_window = 4 if together else 1  # SPARKCHAT_SPLIT_NORM_WINDOW=4
+        layer.post_attention_layernorm.split_window = 4 if together else 1  # SPARKCHAT_SPLIT_NORM_WINDOW
 from sparkchat.engine.kernels.router import route
 ops.route = route
 fast = logits()

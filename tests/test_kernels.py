@@ -401,10 +401,10 @@ def test_moe_slot_sum_with_every_token_at_once_gpu(T, monkeypatch):
 
 
 @gpu
-@pytest.mark.parametrize("T", [1, 4])
+@pytest.mark.parametrize("T", [1, 2, 4, 5])
 def test_moe_input_norm_finished_by_the_router_gpu(T):
-    """SPARKCHAT_SPLIT_MOE_INPUT_NORM=1 at the Ling shapes with the engine's configs (at T = 4, a verify
-    window with SPARKCHAT_SPLIT_NORM_WINDOW=4: the shared gate|up on the tensor cores): KDA's output
+    """SPARKCHAT_SPLIT_MOE_INPUT_NORM=1 at the Ling shapes with the engine's configs (T > 1: verify
+    windows, SPARKCHAT_SPLIT_NORM_WINDOW; the shared gate|up on the tensor cores): KDA's output
     projection writes s and its sums of squares, the shared expert's gate|up applies the norm without
     writing it, the router's logits GEMV applies it and writes h and stage 1's planes."""
     import dataclasses
@@ -944,7 +944,7 @@ _SPLIT_MOE_INPUT_SCRIPT = textwrap.dedent("""
     fma = GemvConfig(bn=16, rs=1, bk=64, warps=2, split=2)
     mma = GemvConfig(bn=32, rs=1, bk=64, warps=4, mma=True, split=2)  # a verify window's shared gate|up
     close = lambda a, b: ((a.float() - b.float()).norm() / b.float().norm()).item() < 1e-2
-    for T, gcfg in ((1, fma), (4, fma), (4, mma)):
+    for T, gcfg in ((1, fma), (4, fma), (4, mma), (2, mma), (5, mma)):
         o = torch.randn(T, D, generator=gen).bfloat16()
         res = (torch.randn(T, H, generator=gen) * 2).bfloat16()
         s_ref, h_ref = fp8_block_gemv_add_norm(o, wo, so, res, nw, 1e-6, config=ocfg, moe_x=True)
@@ -970,7 +970,7 @@ _SPLIT_MOE_INPUT_SCRIPT = textwrap.dedent("""
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 def test_moe_input_norm_finished_by_the_router_under_triton_interpreter():
-    """SPARKCHAT_SPLIT_MOE_INPUT_NORM=1 (and SPARKCHAT_SPLIT_NORM_WINDOW=4 for verify windows): the output
+    """SPARKCHAT_SPLIT_MOE_INPUT_NORM=1 (and SPARKCHAT_SPLIT_NORM_WINDOW for verify windows): the output
     projection writes s and its sums of squares; the shared expert's GEMV applies the norm without
     writing it, the router's GEMV applies it and writes h and stage 1's planes."""
     _run_interpreted(_SPLIT_MOE_INPUT_SCRIPT)
