@@ -2,7 +2,7 @@
 # The GPU runs waiting for a development GPU, as named batches, so a lent machine starts on them at once.
 #
 #   bash benchmarks/gpu_queue.sh wheels        # here (with package registries): the wheels the GPU box lacks
-#   bash benchmarks/gpu_queue.sh quick|qbench|gemvs|verify|pipeline|sampled|handoff|decode|tails|oproj4|verify4|race|first|ab|tests|configs|bench|load   # on the GPU box, logs under $OUT (default ./gpu-out)
+#   bash benchmarks/gpu_queue.sh quick|qbench|gemvs|verify|pipeline|sampled|handoff|decode|tails|oproj4|verify4|partials|race|first|ab|tests|configs|bench|load   # on the GPU box, logs under $OUT (default ./gpu-out)
 #
 # The GPU box has torch, triton and transformers, but not this project's other dependencies, nor the
 # transformers the tiny test models need (5.24), and it cannot fetch: `wheels` downloads them into .whl2/
@@ -165,6 +165,22 @@ verify4() {
         --switch SPARKCHAT_MLA_COMBINE=2,1 2>&1 | tee "$OUT/ab-verify4.txt"
 }
 
+# SPARKCHAT_KDA_PARTIALS=1 (session 31, off until timed): in verify windows KDA's tensor-core input
+# projection (split 2) hands kda_decode its fp32 partials, which it adds as it loads them — the 35
+# split-K reduce launches before KDA go (the H100's 4-token verify: 86 reduces, ~2.3 us exposed each).
+# The KDA kernel tests on the GPU (partials against their reduced sum, bit for bit), the GPU engine tests
+# with it on, the graphed step and verify 4 rounds against off, the verify's timeline with it on.
+partials() {
+    timeout 150 python3 -m pytest -q tests/test_kda_kernel.py -k on_cuda 2>&1 | tail -3 | tee "$OUT/kernel-tests.txt"
+    tiny_models || return 1
+    SPARKCHAT_KDA_PARTIALS=1 timeout 150 python3 -m pytest -q -x tests/test_gpu_engine.py \
+        -k "fast_path_matches or lossless" 2>&1 | tail -3 | tee "$OUT/engine.txt"
+    timeout 200 python3 benchmarks/profile_step.py --rounds 4 --switch SPARKCHAT_KDA_PARTIALS=1 2>&1 \
+        | tee "$OUT/ab-partials.txt"
+    SPARKCHAT_KDA_PARTIALS=1 timeout 100 python3 benchmarks/profile_step.py --timeline --tokens 4 2>&1 \
+        | tee "$OUT/timeline-verify-partials.txt"
+}
+
 # `sparkchat bench` with the defaults (the headline row and the Spark projection) and the GPU engine
 # tests (greedy tokens as the CPU reference's, the MTP loop lossless).
 qbench() {
@@ -248,6 +264,6 @@ load() {  # the checkpoint reader to the GPU: mmap vs plain reads, and the page 
 
 case "${1:-}" in
     wheels) wheels ;;
-    quick|qbench|gemvs|verify|pipeline|sampled|handoff|decode|tails|oproj4|verify4|race|first|ab|tests|configs|bench|load) install_wheels; "$1" ;;
-    *) echo "usage: $0 wheels|quick|qbench|gemvs|verify|pipeline|sampled|handoff|decode|tails|oproj4|verify4|race|first|ab|tests|configs|bench|load" >&2; exit 2 ;;
+    quick|qbench|gemvs|verify|pipeline|sampled|handoff|decode|tails|oproj4|verify4|partials|race|first|ab|tests|configs|bench|load) install_wheels; "$1" ;;
+    *) echo "usage: $0 wheels|quick|qbench|gemvs|verify|pipeline|sampled|handoff|decode|tails|oproj4|verify4|partials|race|first|ab|tests|configs|bench|load" >&2; exit 2 ;;
 esac

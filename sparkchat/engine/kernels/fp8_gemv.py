@@ -732,6 +732,24 @@ def fp8_block_gemv(
     return out
 
 
+def fp8_block_gemv_partials(x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor, *,
+                            config: GemvConfig | None = None,
+                            x_f16: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor | None:
+    """fp8_block_gemv's split-K partial sums, fp32 [split, T, N], without the reduce launch that would add
+    them: for a reader that adds them in split order as it loads them (kda_decode's `partials`). None
+    where the shape's config runs unsplit (its output is one launch already)."""
+    T, N, K = _check_x_w(x, w)
+    assert scale_inv.dtype == torch.float32 and scale_inv.is_contiguous()
+    cfg = config or gemv_config("block", T, N, K)
+    bk = min(cfg.bk, _pow2(K))
+    split = _split_for(K, bk, cfg.split)
+    if split == 1:
+        return None
+    part = torch.empty(split, T, N, dtype=torch.float32, device=x.device)
+    _gemv(x, w, scale_inv, part, part, part, 0, 3, cfg, bk, split, x_f16=x_f16)
+    return part
+
+
 def fp8_block_gemv_add_norm(
     x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor, residual: torch.Tensor, norm_w: torch.Tensor,
     eps: float, *, config: GemvConfig | None = None, moe_x: bool = False, split_norm: bool = False,
