@@ -270,8 +270,8 @@ def _kda_partials() -> Callable[..., torch.Tensor | None]:
     def partials(attn, x: torch.Tensor, recurrent: torch.Tensor, chunked: bool,
                  keep_steps: bool) -> torch.Tensor | None:
         """A verify window's fused q|k|v|f|g projection as split-K partials for kda_decode to add (its
-        reduce launch saved), or None: not such a window, or beta not folded into the kernel (where the
-        partials would have no reader for the fallback's sake), or a split norm to finish first."""
+        reduce launch saved), or None: not such a window, a step kda_decode would hand to its twin, a
+        beta the kernel cannot compute itself (b_proj in FP8), or an input norm still to be finished."""
         fused = attn.fused
         if (fused is None or not fused.is_fp8 or fused.fast is None or not 1 < x.shape[0] <= MAX_TOKENS
                 or x.dtype != torch.bfloat16 or attn.b_proj.is_fp8 or attn.b_proj.weight.dtype != x.dtype
