@@ -2,7 +2,7 @@
 # The GPU runs waiting for a development GPU, as named batches, so a lent machine starts on them at once.
 #
 #   bash benchmarks/gpu_queue.sh wheels        # here (with package registries): the wheels the GPU box lacks
-#   bash benchmarks/gpu_queue.sh quick|qbench|gemvs|verify|pipeline|sampled|handoff|decode|tails|oproj4|verify4|partials|race|first|ab|tests|configs|bench|load   # on the GPU box, logs under $OUT (default ./gpu-out)
+#   bash benchmarks/gpu_queue.sh quick|qbench|gemvs|verify|pipeline|sampled|handoff|decode|tails|oproj4|verify4|partials|h200|race|first|ab|tests|configs|bench|load   # on the GPU box, logs under $OUT (default ./gpu-out)
 #
 # The GPU box has torch, triton and transformers, but not this project's other dependencies, nor the
 # transformers the tiny test models need (5.24), and it cannot fetch: `wheels` downloads them into .whl2/
@@ -262,8 +262,19 @@ load() {  # the checkpoint reader to the GPU: mmap vs plain reads, and the page 
     timeout 150 python3 -m pytest -q tests/test_checkpoint_reader.py 2>&1 | tee "$OUT/load-tests.txt"
 }
 
+# What the next H200 loan runs first, in one 10-minute command: the headline with every default, session
+# 31's verify-window defaults against off, and KDA's partials (each batch's logs in its own folder).
+h200() {
+    local b root=$OUT
+    for b in qbench verify4 partials; do
+        OUT=$root/$b
+        mkdir -p "$OUT"
+        "$b"
+    done
+}
+
 case "${1:-}" in
     wheels) wheels ;;
-    quick|qbench|gemvs|verify|pipeline|sampled|handoff|decode|tails|oproj4|verify4|partials|race|first|ab|tests|configs|bench|load) install_wheels; "$1" ;;
-    *) echo "usage: $0 wheels|quick|qbench|gemvs|verify|pipeline|sampled|handoff|decode|tails|oproj4|verify4|partials|race|first|ab|tests|configs|bench|load" >&2; exit 2 ;;
+    quick|qbench|gemvs|verify|pipeline|sampled|handoff|decode|tails|oproj4|verify4|partials|h200|race|first|ab|tests|configs|bench|load) install_wheels; "$1" ;;
+    *) echo "usage: $0 wheels|quick|qbench|gemvs|verify|pipeline|sampled|handoff|decode|tails|oproj4|verify4|partials|h200|race|first|ab|tests|configs|bench|load" >&2; exit 2 ;;
 esac
