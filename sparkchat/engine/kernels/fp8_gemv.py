@@ -653,12 +653,18 @@ def _launch(x, w, s, y, pmax, pidx, scale_kind: int, out_kind: int, cfg: GemvCon
     if split == 1:
         _gemv(x, w, s, y, pmax, pidx, scale_kind, out_kind, cfg, bk, 1, **extra)
         return
-    part = torch.empty(split, T, N, dtype=torch.float32, device=x.device)
-    _gemv(x, w, s, part, pmax, pidx, scale_kind, 3, cfg, bk, split, **extra)
+    part = _partials(x, w, s, scale_kind, cfg, bk, split, **extra)
     block = 1024
     splitk_reduce_kernel[(triton.cdiv(T * N, block),)](part, s, y, TN=T * N, N=N, SPLIT=split,
                                                         SCALE=scale_kind, OUT_BF16=out_kind == 0,
                                                         BLOCK=block, num_warps=4, **pdl_args(x.device))
+
+
+def _partials(x, w, s, scale_kind: int, cfg: GemvConfig, bk: int, split: int, **extra) -> torch.Tensor:
+    """The split-K GEMV's fp32 partial sums [split, T, N], before any reduce."""
+    part = torch.empty(split, x.shape[0], w.shape[0], dtype=torch.float32, device=x.device)
+    _gemv(x, w, s, part, part, part, scale_kind, 3, cfg, bk, split, **extra)
+    return part
 
 
 def f16_block_acts(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -743,11 +749,7 @@ def fp8_block_gemv_partials(x: torch.Tensor, w: torch.Tensor, scale_inv: torch.T
     cfg = config or gemv_config("block", T, N, K)
     bk = min(cfg.bk, _pow2(K))
     split = _split_for(K, bk, cfg.split)
-    if split == 1:
-        return None
-    part = torch.empty(split, T, N, dtype=torch.float32, device=x.device)
-    _gemv(x, w, scale_inv, part, part, part, 0, 3, cfg, bk, split, x_f16=x_f16)
-    return part
+    return _partials(x, w, scale_inv, 0, cfg, bk, split, x_f16=x_f16) if split > 1 else None
 
 
 def fp8_block_gemv_add_norm(

@@ -282,15 +282,15 @@ def kda_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tenso
     v, f and out_gate are views of the first of a split-K GEMV's fp32 partials [partials, T, N] (N the
     fused projection's rows), which the kernel adds as it loads them — no reduce launch before it."""
     T, D = q.shape
+    K = conv_w.shape[1]
+    nb, nw = LAUNCH if keep_steps or T != 1 else one_token_launch()
+    dv_blocks, num_warps = dv_blocks or nb, num_warps or nw
     if partials > 1:
-        assert takes_partials(T, head_dim, recurrent, chunked, keep_steps, dv_blocks) and q.dtype == torch.float32
+        assert _in_kernel(T, head_dim, dv_blocks, recurrent, chunked) and q.dtype == torch.float32
         assert beta_logit is None and beta_x is not None, "partials come with beta folded in"
         mdt, part = beta_x.dtype, dict(PARTS=partials, s_part=T * q.stride(0))
     else:
         mdt, part = q.dtype, {}
-    K = conv_w.shape[1]
-    nb, nw = LAUNCH if keep_steps or T != 1 else one_token_launch()
-    dv_blocks, num_warps = dv_blocks or nb, num_warps or nw
     if not keep_steps and (T > MAX_TOKENS or chunked) and T <= PROMPT_WINDOWS_MAX_TOKENS and prompt_windows_enabled():
         return _in_windows(q, k, v, f, beta_logit, out_gate, conv_state, recurrent, conv_w, A_log, dt_bias, o_norm_w,
                            heads, head_dim, safe_gate, lower_bound, eps, dv_blocks=dv_blocks, num_warps=num_warps,
@@ -301,8 +301,7 @@ def kda_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tenso
                     BKH=min(512, triton.next_power_of_2(beta_x.shape[1])))
     else:
         fold = {}
-    if (chunked or T > MAX_TOKENS or head_dim & (head_dim - 1) or head_dim % dv_blocks
-            or not recurrent.is_contiguous()):
+    if not _in_kernel(T, head_dim, dv_blocks, recurrent, chunked):
         from sparkchat.engine.nn.kda import kda_core
         from sparkchat.engine.nn.ops import ops
 
@@ -332,14 +331,17 @@ def kda_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tenso
     return o, window, steps
 
 
-def takes_partials(T: int, head_dim: int, recurrent: torch.Tensor, chunked: bool = False, keep_steps: bool = True,
-                   dv_blocks: int | None = None) -> bool:
-    """True when kda_decode runs this step in its kernel, which can take the projections as split-K
-    partials (a verify window, SPARKCHAT_KDA_PARTIALS): the conditions under which it does not hand the
-    step to the twin or to prompt windows."""
-    nb = dv_blocks or (LAUNCH if keep_steps or T != 1 else one_token_launch())[0]
-    return (not chunked and 1 <= T <= MAX_TOKENS and not head_dim & (head_dim - 1) and head_dim % nb == 0
+def _in_kernel(T: int, head_dim: int, dv_blocks: int, recurrent: torch.Tensor, chunked: bool) -> bool:
+    """Whether kda_decode runs a step (not handed to prompt windows) in its kernel rather than the twin."""
+    return (not chunked and T <= MAX_TOKENS and not head_dim & (head_dim - 1) and head_dim % dv_blocks == 0
             and recurrent.is_contiguous())
+
+
+def takes_partials(T: int, head_dim: int, recurrent: torch.Tensor, chunked: bool, keep_steps: bool) -> bool:
+    """True when kda_decode runs this step in its kernel with its default launch, which can take the
+    projections as split-K partials (a verify window, SPARKCHAT_KDA_PARTIALS)."""
+    nb = (LAUNCH if keep_steps or T != 1 else one_token_launch())[0]
+    return _in_kernel(T, head_dim, nb, recurrent, chunked)
 
 
 def partials_enabled() -> bool:
