@@ -2,7 +2,7 @@
 # The GPU runs waiting for a development GPU, as named batches, so a lent machine starts on them at once.
 #
 #   bash benchmarks/gpu_queue.sh wheels        # here (with package registries): the wheels the GPU box lacks
-#   bash benchmarks/gpu_queue.sh quick|qbench|gemvs|verify|pipeline|sampled|handoff|decode|tails|oproj4|verify4|partials|h200|race|first|ab|tests|configs|bench|load   # on the GPU box, logs under $OUT (default ./gpu-out)
+#   bash benchmarks/gpu_queue.sh quick|qbench|gemvs|verify|pipeline|sampled|handoff|decode|tails|verify4|race|first|ab|tests|configs|bench|load   # on the GPU box, logs under $OUT (default ./gpu-out)
 #
 # The GPU box has torch, triton and transformers, but not this project's other dependencies, nor the
 # transformers the tiny test models need (5.24), and it cannot fetch: `wheels` downloads them into .whl2/
@@ -133,17 +133,6 @@ tails() {
         | tee "$OUT/timeline-verify.txt"
 }
 
-# The 4-token output projection's k loop (block.4.2560.4096: 32-row tiles, 128-column steps, split 8,
-# per-row accumulators that cross warps through shared memory at every step, no prefetch) against
-# [rows, 16] accumulators reduced once and the one-step prefetch: in session 30's H100 timelines each
-# took the projection from 16.0 to 15.1 us exposed a call (one trace each); timed here in the graphed
-# verify, 4 rounds.
-oproj4() {
-    timeout 400 python3 benchmarks/profile_step.py --rounds 4 \
-        --switch "SPARKCHAT_GEMV_CONFIG=block.4.2560.4096.row_acc:0/block.4.2560.4096.kacc:16,block.4.2560.4096.prefetch:1" \
-        2>&1 | tee "$OUT/ab-oproj4.txt"
-}
-
 # Session 31's two verify-window changes, default since its H100 runs (the graphed 4-token verify 4.346 ->
 # 4.121 ms with both, medians of 6 rounds), on the H200 next:
 # - SPARKCHAT_SPLIT_NORM_WINDOW (5): the MoE input norm split as at one token (the output projection's
@@ -163,22 +152,6 @@ verify4() {
         --switch SPARKCHAT_SPLIT_NORM_WINDOW=5+SPARKCHAT_MLA_COMBINE=2 2>&1 | tee "$OUT/ab-verify4-both.txt"
     timeout 200 python3 benchmarks/profile_step.py --rounds 3 --switch SPARKCHAT_SPLIT_NORM_WINDOW=5 \
         --switch SPARKCHAT_MLA_COMBINE=2,1 2>&1 | tee "$OUT/ab-verify4.txt"
-}
-
-# SPARKCHAT_KDA_PARTIALS=1 (session 31, off until timed): in verify windows KDA's tensor-core input
-# projection (split 2) hands kda_decode its fp32 partials, which it adds as it loads them — the 35
-# split-K reduce launches before KDA go (the H100's 4-token verify: 86 reduces, ~2.3 us exposed each).
-# The KDA kernel tests on the GPU (partials against their reduced sum, bit for bit), the GPU engine tests
-# with it on, the graphed step and verify 4 rounds against off, the verify's timeline with it on.
-partials() {
-    timeout 150 python3 -m pytest -q tests/test_kda_kernel.py -k on_cuda 2>&1 | tail -3 | tee "$OUT/kernel-tests.txt"
-    tiny_models || return 1
-    SPARKCHAT_KDA_PARTIALS=1 timeout 150 python3 -m pytest -q -x tests/test_gpu_engine.py \
-        -k "fast_path_matches or lossless" 2>&1 | tail -3 | tee "$OUT/engine.txt"
-    timeout 200 python3 benchmarks/profile_step.py --rounds 4 --switch SPARKCHAT_KDA_PARTIALS=1 2>&1 \
-        | tee "$OUT/ab-partials.txt"
-    SPARKCHAT_KDA_PARTIALS=1 timeout 100 python3 benchmarks/profile_step.py --timeline --tokens 4 2>&1 \
-        | tee "$OUT/timeline-verify-partials.txt"
 }
 
 # `sparkchat bench` with the defaults (the headline row and the Spark projection) and the GPU engine
@@ -262,19 +235,8 @@ load() {  # the checkpoint reader to the GPU: mmap vs plain reads, and the page 
     timeout 150 python3 -m pytest -q tests/test_checkpoint_reader.py 2>&1 | tee "$OUT/load-tests.txt"
 }
 
-# What the next H200 loan runs first, in one 10-minute command: the headline with every default, session
-# 31's verify-window defaults against off, and KDA's partials (each batch's logs in its own folder).
-h200() {
-    local b root=$OUT
-    for b in qbench verify4 partials; do
-        OUT=$root/$b
-        mkdir -p "$OUT"
-        "$b"
-    done
-}
-
 case "${1:-}" in
     wheels) wheels ;;
-    quick|qbench|gemvs|verify|pipeline|sampled|handoff|decode|tails|oproj4|verify4|partials|h200|race|first|ab|tests|configs|bench|load) install_wheels; "$1" ;;
-    *) echo "usage: $0 wheels|quick|qbench|gemvs|verify|pipeline|sampled|handoff|decode|tails|oproj4|verify4|partials|h200|race|first|ab|tests|configs|bench|load" >&2; exit 2 ;;
+    quick|qbench|gemvs|verify|pipeline|sampled|handoff|decode|tails|verify4|race|first|ab|tests|configs|bench|load) install_wheels; "$1" ;;
+    *) echo "usage: $0 wheels|quick|qbench|gemvs|verify|pipeline|sampled|handoff|decode|tails|verify4|race|first|ab|tests|configs|bench|load" >&2; exit 2 ;;
 esac

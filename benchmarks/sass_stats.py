@@ -281,24 +281,20 @@ def router_sass(arch: int) -> list[str] | None:
     return compile_sass(r.route_kernel, sig, cx, r.ROUTE_WARPS, arch)
 
 
-def kda_step(arch: int, T: int = 1, programs: int = 4, warps: int = 4, keep: bool = False, norm_at_once: bool = False,
-             parts: int = 1):
+def kda_step(arch: int, T: int = 1, programs: int = 4, warps: int = 4, keep: bool = False, norm_at_once: bool = False):
     """kda_decode_kernel compiled as a Ling KDA layer launches it (32 heads x 128, conv 4, bf16
     projections, beta folded in, PDL) with `programs` a head of `warps` warps each: the compiled kernel.
-    norm_at_once: the head's output norm loads every position's o first (SPARKCHAT_TAIL_AT_ONCE bit 4).
-    parts > 1: the projections as that many fp32 split-K partials (SPARKCHAT_KDA_PARTIALS)."""
+    norm_at_once: the head's output norm loads every position's o first (SPARKCHAT_TAIL_AT_ONCE bit 4)."""
     from sparkchat.engine.kernels import kda_decode as kd
 
-    proj = "*fp32" if parts > 1 else "*bf16"
-    sig = {name: proj for name in ("q_ptr", "k_ptr", "v_ptr", "f_ptr", "og_ptr")}
-    sig.update({name: "*bf16" for name in ("b_ptr", "conv_ptr", "onw_ptr", "o_ptr", "win_ptr", "bx_ptr", "bw_ptr")})
+    sig = {name: "*bf16" for name in ("q_ptr", "k_ptr", "v_ptr", "f_ptr", "b_ptr", "og_ptr", "conv_ptr", "onw_ptr",
+                                      "o_ptr", "win_ptr", "bx_ptr", "bw_ptr")}
     sig.update({name: "*fp32" for name in ("rec_ptr", "cw_ptr", "alog_ptr", "dtb_ptr", "steps_ptr")}, cnt_ptr="*i32")
     sig.update({name: "i32" for name in ("s_q", "s_qc", "s_k", "s_kc", "s_v", "s_vc", "s_f", "s_fc", "s_b", "s_bc",
                                          "s_og", "s_ogc", "s_cv", "s_cvc", "s_w", "s_wc")})
     sig.update(q_scale="fp32", lower_bound="fp32", eps="fp32")
     cx = dict(T=T, H=32, DH=128, KC=4, NB=programs, SAFE_GATE=True, KEEP=keep, FOLD_B=True, HID=H, BKH=512, PDL=True,
-              NORM_AT_ONCE=norm_at_once, PARTS=parts)
-    sig.update(s_part="i32")
+              NORM_AT_ONCE=norm_at_once)
     return compile_kernel(kd.kda_decode_kernel, sig, cx, warps, arch)
 
 

@@ -56,15 +56,6 @@ from sparkchat.engine.nn.mla import MultiLatentAttention
 from sparkchat.engine.kernels.fp8_gemv import add_rms_norm, fp8_block_gemv_add_norm, fp8_block_gemv_swiglu
 from sparkchat.engine.nn.norm import RMSNorm
 calls, packed_x, in_stages, normed, late_adds = [], [], [], [], []
-partial_splits = []
-if together:  # the tiny KDA projection (K = 64: one k step) in two splits of 32 columns at the verify's 4 tokens
-    N, K = next(m for m in model.modules() if isinstance(m, KimiDeltaAttention)).fused.weight.shape
-    os.environ["SPARKCHAT_GEMV_CONFIG"] = f"block.4.{N}.{K}.bk:32/block.4.{N}.{K}.split:2"
-kda_partials = fastpath._kda_partials()
-def counted_partials(*args):
-    part = kda_partials(*args)
-    partial_splits.append(0 if part is None else part.shape[0])
-    return part
 class CountingExperts(fastpath.ExpertsKernel):
     def __call__(self, x, *args, **kw):
         packed_x.append(hasattr(x, "moe_x"))
@@ -96,8 +87,6 @@ for m in model.modules():
         m.experts.use_paired_words()  # as install() does on a GPU: the kernels read the paired word order
     elif isinstance(m, KimiDeltaAttention):
         m.fast_core = kda_decode
-        if together:  # verify windows' projections as split-K partials (SPARKCHAT_KDA_PARTIALS=1)
-            m.fast_partials = counted_partials
     elif isinstance(m, MultiLatentAttention):
         m.fast_step = mla_decode_step
 for i, layer in enumerate(model.layers):  # as install() does with SPARKCHAT_MOE_ADD_NORM=1
@@ -142,7 +131,6 @@ if together:  # one-token steps take every candidate; longer windows what applie
     assert any(in_stages) and any(normed) and any(split_reads) and any(split_inputs), (in_stages, normed, split_inputs)
     assert any(late_adds), late_adds  # the verify's window: the next norm is not stage 2's there
     assert 4 in split_windows, split_windows  # the verify's window: its MoE input norms split too
-    assert any(n > 1 for n in partial_splits), partial_splits  # KDA reading its projection's partials
 else:
     assert set(split_windows) == {1}, split_windows  # SPARKCHAT_SPLIT_NORM_WINDOW's default: one token
     assert any(in_stages) and not all(in_stages), in_stages  # decode steps: shared experts in the stages and beside

@@ -1160,33 +1160,3 @@ def test_gemv_config_overrides_take_one_shape_and_refuse_typos(monkeypatch):
         monkeypatch.setenv("SPARKCHAT_GEMV_CONFIG", bad)
         with pytest.raises(ValueError, match="SPARKCHAT_GEMV_CONFIG"):
             gemv_config("plain", 1, 512, 2560)
-
-
-_PARTIALS_SCRIPT = textwrap.dedent("""
-    import torch
-    from sparkchat.engine.kernels.fp8_gemv import GemvConfig, fp8_block_gemv, fp8_block_gemv_partials
-    from tests.test_kernels import make_fp8
-    gen = torch.Generator().manual_seed(31)
-    w, s = make_fp8(96, 512, gen=gen)
-    x = torch.randn(4, 512, generator=gen).bfloat16()
-    for split in (2, 4):
-        cfg = GemvConfig(bn=16, rs=1, bk=128, warps=2, split=split)
-        part = fp8_block_gemv_partials(x, w, s, config=cfg)
-        assert part.shape == (split, 4, 96) and part.dtype == torch.float32
-        total = part[0].clone()
-        for p in range(1, split):
-            total += part[p]
-        y = fp8_block_gemv(x, w, s, config=cfg)  # the same partials, added by its reduce launch
-        # the interpreter's fp32 -> bf16 cast truncates, torch's rounds: within one bf16 ulp
-        ulp = total.abs() * 2.0 ** -7 + 1e-30
-        assert ((y.float() - total).abs() <= ulp).all(), split
-    assert fp8_block_gemv_partials(x, w, s, config=GemvConfig(bn=16, rs=1, bk=128, warps=2, split=1)) is None
-    print("interpreter ok")
-""")
-
-
-@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
-def test_block_gemv_partials_add_up_to_its_output_under_triton_interpreter():
-    """fp8_block_gemv_partials (kda_decode's SPARKCHAT_KDA_PARTIALS): the split-K partials the GEMV's
-    reduce launch would add, their ordered sum its output; None for an unsplit config."""
-    _run_interpreted(_PARTIALS_SCRIPT)

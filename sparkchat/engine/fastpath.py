@@ -263,27 +263,6 @@ def _fp8_gemv() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Te
     return gemv
 
 
-def _kda_partials() -> Callable[..., torch.Tensor | None]:
-    from sparkchat.engine.kernels.fp8_gemv import fp8_block_gemv_partials
-    from sparkchat.engine.kernels.kda_decode import MAX_TOKENS, takes_partials
-
-    def partials(attn, x: torch.Tensor, recurrent: torch.Tensor, chunked: bool,
-                 keep_steps: bool) -> torch.Tensor | None:
-        """A verify window's fused q|k|v|f|g projection as split-K partials for kda_decode to add (its
-        reduce launch saved), or None: not such a window, a step kda_decode would hand to its twin, a
-        beta the kernel cannot compute itself (b_proj in FP8), or an input norm still to be finished."""
-        fused = attn.fused
-        if (fused is None or not fused.is_fp8 or fused.fast is None or not 1 < x.shape[0] <= MAX_TOKENS
-                or x.dtype != torch.bfloat16 or attn.b_proj.is_fp8 or attn.b_proj.weight.dtype != x.dtype
-                or getattr(x, "split_norm", None) is not None
-                or not takes_partials(x.shape[0], attn.head_dim, recurrent, chunked, keep_steps)):
-            return None
-        return fp8_block_gemv_partials(x.contiguous(), fused.weight, fused.weight_scale_inv,
-                                       x_f16=getattr(x, "f16_acts", None))
-
-    return partials
-
-
 def prompt_gemm_enabled() -> bool:
     """A prompt's FP8 linears run through kernels/fp8_gemm.py unless SPARKCHAT_FP8_GEMM=0 (then each
     weight is dequantized to bf16 in torch for a torch matmul on every prompt, the reference path)."""
@@ -355,12 +334,9 @@ def install(model, *, linears: bool, experts: bool, head: bool) -> None:
     from sparkchat.engine.nn.mla import MultiLatentAttention
 
     mla_step = _mla_step() if linears and mla_step_enabled() else None
-    kda_core = kda_partials = None
+    kda_core = None
     if linears:
         from sparkchat.engine.kernels.kda_decode import kda_decode as kda_core
-        from sparkchat.engine.kernels.kda_decode import partials_enabled
-
-        kda_partials = _kda_partials() if partials_enabled() else None
     swiglu_down = add_norm = add_rms_norm = None
     if linears:
         from sparkchat.engine.kernels.fp8_gemv import add_rms_norm
@@ -376,7 +352,6 @@ def install(model, *, linears: bool, experts: bool, head: bool) -> None:
             out.fast_add_norm = add_norm if out.is_fp8 and out.weight.is_cuda else None
         if isinstance(m, KimiDeltaAttention):
             m.fast_core = kda_core if m.A_log.is_cuda else None
-            m.fast_partials = kda_partials if m.fast_core is not None else None
         if isinstance(m, MoE):
             m.fast_experts = (ExpertsKernel(m.experts, m.shared_experts, shared_in_stages_mode(),
                                             moe_add_norm_mode()) if experts and m.experts.is_mxfp4 else None)

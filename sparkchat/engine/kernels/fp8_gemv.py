@@ -653,18 +653,12 @@ def _launch(x, w, s, y, pmax, pidx, scale_kind: int, out_kind: int, cfg: GemvCon
     if split == 1:
         _gemv(x, w, s, y, pmax, pidx, scale_kind, out_kind, cfg, bk, 1, **extra)
         return
-    part = _partials(x, w, s, scale_kind, cfg, bk, split, **extra)
+    part = torch.empty(split, T, N, dtype=torch.float32, device=x.device)
+    _gemv(x, w, s, part, pmax, pidx, scale_kind, 3, cfg, bk, split, **extra)
     block = 1024
     splitk_reduce_kernel[(triton.cdiv(T * N, block),)](part, s, y, TN=T * N, N=N, SPLIT=split,
                                                         SCALE=scale_kind, OUT_BF16=out_kind == 0,
                                                         BLOCK=block, num_warps=4, **pdl_args(x.device))
-
-
-def _partials(x, w, s, scale_kind: int, cfg: GemvConfig, bk: int, split: int, **extra) -> torch.Tensor:
-    """The split-K GEMV's fp32 partial sums [split, T, N], before any reduce."""
-    part = torch.empty(split, x.shape[0], w.shape[0], dtype=torch.float32, device=x.device)
-    _gemv(x, w, s, part, part, part, scale_kind, 3, cfg, bk, split, **extra)
-    return part
 
 
 def f16_block_acts(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -736,20 +730,6 @@ def fp8_block_gemv(
     x, extra = _split_norm_input(x, split_norm)
     _launch(x, w, scale_inv, out, out, out, 0, 0, cfg, x_f16=x_f16, **extra)
     return out
-
-
-def fp8_block_gemv_partials(x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor, *,
-                            config: GemvConfig | None = None,
-                            x_f16: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor | None:
-    """fp8_block_gemv's split-K partial sums, fp32 [split, T, N], without the reduce launch that would add
-    them: for a reader that adds them in split order as it loads them (kda_decode's `partials`). None
-    where the shape's config runs unsplit (its output is one launch already)."""
-    T, N, K = _check_x_w(x, w)
-    assert scale_inv.dtype == torch.float32 and scale_inv.is_contiguous()
-    cfg = config or gemv_config("block", T, N, K)
-    bk = min(cfg.bk, _pow2(K))
-    split = _split_for(K, bk, cfg.split)
-    return _partials(x, w, scale_inv, 0, cfg, bk, split, x_f16=x_f16) if split > 1 else None
 
 
 def fp8_block_gemv_add_norm(

@@ -60,16 +60,11 @@ def _round(x, dtype: tl.constexpr):
 
 
 @triton.jit
-def _vectors(ptr, stride, n: tl.constexpr, dtype: tl.constexpr, PARTS: tl.constexpr = 1, s_part=0):
-    """n rows ptr + r*stride (ptr a block of pointers) as a tuple of fp32 vectors, each rounded to dtype.
-    PARTS > 1: each row the sum of a split-K GEMV's PARTS fp32 partials s_part apart, added in split order
-    (what its reduce kernel writes, rounded to dtype as it rounds)."""
+def _vectors(ptr, stride, n: tl.constexpr, dtype: tl.constexpr):
+    """n rows ptr + r*stride (ptr a block of pointers) as a tuple of fp32 vectors, each rounded to dtype."""
     out = ()
     for r in tl.static_range(n):
-        x = tl.load(ptr + r * stride).to(tl.float32)
-        for p in tl.static_range(1, PARTS):
-            x += tl.load(ptr + p * s_part + r * stride)
-        out = out + (_round(x, dtype),)
+        out = out + (_round(tl.load(ptr + r * stride).to(tl.float32), dtype),)
     return out
 
 
@@ -136,7 +131,6 @@ def kda_decode_kernel(
     bx_ptr=None, bw_ptr=None,  # FOLD_B: the layer input [T, HID] and b_proj's weight [H, HID], contiguous
     FOLD_B: tl.constexpr = False, HID: tl.constexpr = 1, BKH: tl.constexpr = 1,
     PDL: tl.constexpr = False, NORM_AT_ONCE: tl.constexpr = False,
-    PARTS: tl.constexpr = 1, s_part=0,  # q, k, v, f and the output gate as a split-K GEMV's PARTS partials
 ):
     """Program (h, b): head h, value columns [b*DH/NB, (b+1)*DH/NB) of its state (the delta rule never
     mixes value columns). The output norm needs the head's whole o: with NB > 1 each program stores its
@@ -150,7 +144,7 @@ def kda_decode_kernel(
     vb = tl.program_id(1)
     BV: tl.constexpr = DH // NB
     D: tl.constexpr = H * DH
-    dtype = o_ptr.dtype.element_ty  # the model's (q_ptr's, unless it points at fp32 partials)
+    dtype = q_ptr.dtype.element_ty
     i = tl.arange(0, DH)  # along dk (rows of S)
     j = vb * BV + tl.arange(0, BV)  # along dv (columns of S)
     jj = tl.arange(0, DH)  # the whole head's value columns (the output norm)
@@ -178,16 +172,14 @@ def kda_decode_kernel(
     pdl_wait(PDL)
 
     # wave 2: this step's projections (model dtype: exact in fp32)
-    # (summed partials are rounded to the model dtype, as the reduce kernel would have written them)
-    PD: tl.constexpr = dtype if PARTS > 1 else tl.float32
-    nq = _vectors(q_ptr + (c + i) * s_qc, s_q, T, PD, PARTS, s_part)
-    nk = _vectors(k_ptr + (c + i) * s_kc, s_k, T, PD, PARTS, s_part)
-    nv = _vectors(v_ptr + (c + j) * s_vc, s_v, T, PD, PARTS, s_part)
-    fs = _vectors(f_ptr + (c + i) * s_fc, s_f, T, PD, PARTS, s_part)
+    nq = _vectors(q_ptr + (c + i) * s_qc, s_q, T, tl.float32)
+    nk = _vectors(k_ptr + (c + i) * s_kc, s_k, T, tl.float32)
+    nv = _vectors(v_ptr + (c + j) * s_vc, s_v, T, tl.float32)
+    fs = _vectors(f_ptr + (c + i) * s_fc, s_f, T, tl.float32)
     if NB == 1:
-        ogs = _vectors(og_ptr + (c + j) * s_ogc, s_og, T, PD, PARTS, s_part)
+        ogs = _vectors(og_ptr + (c + j) * s_ogc, s_og, T, tl.float32)
     else:
-        ogs = _vectors(og_ptr + (c + jj) * s_ogc, s_og, T, PD, PARTS, s_part)
+        ogs = _vectors(og_ptr + (c + jj) * s_ogc, s_og, T, tl.float32)
     B = ()
     for t in tl.static_range(T):
         if FOLD_B:
@@ -273,24 +265,15 @@ def kda_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tenso
                A_log: torch.Tensor, dt_bias: torch.Tensor, o_norm_w: torch.Tensor, heads: int, head_dim: int,
                safe_gate: bool, lower_bound: float, eps: float, keep_steps: bool, chunked: bool, *,
                dv_blocks: int | None = None, num_warps: int | None = None, beta_x: torch.Tensor | None = None,
-               beta_w: torch.Tensor | None = None,
-               partials: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+               beta_w: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """kda_core's signature and results, in one launch for T ≤ MAX_TOKENS (else, or chunked, the twin).
     dv_blocks > 1 splits each head's value columns over that many programs (heads × dv_blocks of them).
     With beta_x (the layer's input [T, HID]) and beta_w (b_proj's plain weight [heads, HID]) and
-    beta_logit None, the kernel computes beta's logits itself. partials > 1 (where takes_partials): q, k,
-    v, f and out_gate are views of the first of a split-K GEMV's fp32 partials [partials, T, N] (N the
-    fused projection's rows), which the kernel adds as it loads them — no reduce launch before it."""
+    beta_logit None, the kernel computes beta's logits itself."""
     T, D = q.shape
     K = conv_w.shape[1]
     nb, nw = LAUNCH if keep_steps or T != 1 else one_token_launch()
     dv_blocks, num_warps = dv_blocks or nb, num_warps or nw
-    if partials > 1:
-        assert _in_kernel(T, head_dim, dv_blocks, recurrent, chunked) and q.dtype == torch.float32
-        assert beta_logit is None and beta_x is not None, "partials come with beta folded in"
-        mdt, part = beta_x.dtype, dict(PARTS=partials, s_part=T * q.stride(0))
-    else:
-        mdt, part = q.dtype, {}
     if not keep_steps and (T > MAX_TOKENS or chunked) and T <= PROMPT_WINDOWS_MAX_TOKENS and prompt_windows_enabled():
         return _in_windows(q, k, v, f, beta_logit, out_gate, conv_state, recurrent, conv_w, A_log, dt_bias, o_norm_w,
                            heads, head_dim, safe_gate, lower_bound, eps, dv_blocks=dv_blocks, num_warps=num_warps,
@@ -301,7 +284,8 @@ def kda_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tenso
                     BKH=min(512, triton.next_power_of_2(beta_x.shape[1])))
     else:
         fold = {}
-    if not _in_kernel(T, head_dim, dv_blocks, recurrent, chunked):
+    if (chunked or T > MAX_TOKENS or head_dim & (head_dim - 1) or head_dim % dv_blocks
+            or not recurrent.is_contiguous()):
         from sparkchat.engine.nn.kda import kda_core
         from sparkchat.engine.nn.ops import ops
 
@@ -313,8 +297,8 @@ def kda_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tenso
                     heads, head_dim, safe_gate, lower_bound, eps, keep_steps, chunked)
     assert D == heads * head_dim and recurrent.dtype == torch.float32 and conv_state.shape == (K - 1, 3 * D)
     assert dt_bias.is_contiguous() and o_norm_w.is_contiguous() and A_log.is_contiguous()
-    o = torch.empty(T, D, dtype=mdt, device=q.device)
-    window = torch.empty(K - 1 + T, 3 * D, dtype=mdt, device=q.device)
+    o = torch.empty(T, D, dtype=q.dtype, device=q.device)
+    window = torch.empty(K - 1 + T, 3 * D, dtype=q.dtype, device=q.device)
     steps = (torch.empty(T, heads, 4, head_dim, dtype=torch.float32, device=q.device) if keep_steps
              else None)
     cnt = arrival_counters("kda_decode", q.device, heads) if dv_blocks > 1 else o
@@ -327,27 +311,8 @@ def kda_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tenso
         conv_state.stride(0), conv_state.stride(1), conv_w.stride(0), conv_w.stride(1),
         float(head_dim ** -0.5), float(lower_bound), float(eps),
         T=T, H=heads, DH=head_dim, KC=K, NB=dv_blocks, SAFE_GATE=bool(safe_gate), KEEP=bool(keep_steps),
-        NORM_AT_ONCE=T > 1 and bool(tail_at_once() & 4), num_warps=num_warps, **fold, **part, **pdl_args(q.device))
+        NORM_AT_ONCE=T > 1 and bool(tail_at_once() & 4), num_warps=num_warps, **fold, **pdl_args(q.device))
     return o, window, steps
-
-
-def _in_kernel(T: int, head_dim: int, dv_blocks: int, recurrent: torch.Tensor, chunked: bool) -> bool:
-    """Whether kda_decode runs a step (not handed to prompt windows) in its kernel rather than the twin."""
-    return (not chunked and T <= MAX_TOKENS and not head_dim & (head_dim - 1) and head_dim % dv_blocks == 0
-            and recurrent.is_contiguous())
-
-
-def takes_partials(T: int, head_dim: int, recurrent: torch.Tensor, chunked: bool, keep_steps: bool) -> bool:
-    """True when kda_decode runs this step in its kernel with its default launch, which can take the
-    projections as split-K partials (a verify window, SPARKCHAT_KDA_PARTIALS)."""
-    nb = (LAUNCH if keep_steps or T != 1 else one_token_launch())[0]
-    return _in_kernel(T, head_dim, nb, recurrent, chunked)
-
-
-def partials_enabled() -> bool:
-    """SPARKCHAT_KDA_PARTIALS=1: in verify windows KDA's tensor-core input projection hands kda_decode its
-    split-K partials, which it adds as it loads them, instead of a reduce launch between the two."""
-    return os.environ.get("SPARKCHAT_KDA_PARTIALS", "0") == "1"
 
 
 def one_token_launch() -> tuple[int, int]:

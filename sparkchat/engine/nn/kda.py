@@ -163,9 +163,6 @@ class KimiDeltaAttention(nn.Module):
         self.fused: FusedLinear | None = None  # q|k|v|f|g in one weight, set at load time
         # kda_core's signature, plus beta_x/beta_w keywords to compute beta itself (fastpath sets it)
         self.fast_core: Callable | None = None
-        # (self, x, recurrent state, chunked, keep_steps) -> the fused projection's split-K partials for
-        # fast_core to add as it loads them, or None (fastpath sets it: SPARKCHAT_KDA_PARTIALS)
-        self.fast_partials: Callable | None = None
 
     def input_projections(self) -> list[Linear]:
         return [self.q_proj, self.k_proj, self.v_proj, self.f_proj, self.g_proj]
@@ -177,12 +174,7 @@ class KimiDeltaAttention(nn.Module):
     def forward(self, x: torch.Tensor, state: KDAState, keep_steps: bool = False,
                 chunked: bool = False, project_out: bool = True) -> tuple[torch.Tensor, KDASteps | None]:
         """(output [T, hidden], kept steps); with project_out=False the output is out_proj's input."""
-        part = (self.fast_partials(self, x, state.recurrent, chunked, keep_steps)
-                if self.fast_partials is not None else None)
-        if part is not None:  # views of the first partial: the kernel adds the others as it loads
-            q, k, v, f, out_gate = self.fused.split(part[0])
-        else:
-            q, k, v, f, out_gate = project(self.fused, self.input_projections(), x)
+        q, k, v, f, out_gate = project(self.fused, self.input_projections(), x)
         if self.fast_core is not None and not (chunked and keep_steps):
             core = self.fast_core  # a prompt: in windows when short, else through the uncompiled twin
         elif chunked:
@@ -192,9 +184,6 @@ class KimiDeltaAttention(nn.Module):
         # the fused kernel computes beta's logits from x and b_proj's (plain) weight itself
         fold = core is self.fast_core and not self.b_proj.is_fp8 and self.b_proj.weight.dtype == x.dtype
         extra = {"beta_x": x, "beta_w": self.b_proj.weight} if fold else {}
-        if part is not None:
-            assert fold, "partials need beta folded into the kernel"
-            extra["partials"] = part.shape[0]
         o, window, rec_steps = core(q, k, v, f, None if fold else self.b_proj(x), out_gate, state.conv,
                                     state.recurrent, self.conv_weight, self.A_log, self.dt_bias,
                                     self.o_norm_weight, self.heads, self.head_dim, self.safe_gate,
