@@ -159,9 +159,12 @@ verify4() {
 # registers — no partials, no arrival counter, no last program reading them back (two trips to L2 fewer
 # at the end of every MoE layer's chain; the H200's step: stage 2 5.7 us exposed a layer for ~10 MB).
 # Its GPU kernel test, the GPU engine tests with it on, the graphed step 4 rounds for 4 and 8 rows against
-# off, the step's timeline with it on.
+# off, the step's timeline with it on. The same question for the one-token output projection (split-K 4,
+# its add + sums of squares after an arrival counter): in one split its programs add from registers
+# (session 32), timed 4 rounds with 8 rows x 1024-column steps and 4 rows x 2048, 4 warps, against split 4.
 rows() {
-    timeout 150 python3 -m pytest -q tests/test_kernels.py -k "stage2_rows_gpu or shared_expert_in_the_stages_gpu" \
+    timeout 150 python3 -m pytest -q tests/test_kernels.py \
+        -k "stage2_rows_gpu or shared_expert_in_the_stages_gpu or add_norm_gpu or finishing_the_moe_norm_gpu" \
         2>&1 | tail -3 | tee "$OUT/kernel-tests.txt"
     tiny_models || return 1
     SPARKCHAT_MOE_CONFIG=T1.rows2:4 timeout 150 python3 -m pytest -q -x tests/test_gpu_engine.py \
@@ -170,6 +173,10 @@ rows() {
         2>&1 | tee "$OUT/ab-rows.txt"
     SPARKCHAT_MOE_CONFIG=T1.rows2:4 timeout 100 python3 benchmarks/profile_step.py --timeline 2>&1 \
         | tee "$OUT/timeline-step-rows.txt"
+    local o=block.1.2560.4096
+    timeout 240 python3 benchmarks/profile_step.py --rounds 4 \
+        --switch "SPARKCHAT_GEMV_CONFIG=$o.split:1/$o.bk:1024/$o.warps:4,$o.split:1/$o.bn:4/$o.bk:2048/$o.warps:4" \
+        2>&1 | tee "$OUT/ab-oproj1.txt"
 }
 
 # `sparkchat bench` with the defaults (the headline row and the Spark projection) and the GPU engine

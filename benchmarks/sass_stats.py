@@ -360,6 +360,23 @@ def fma_gemv(arch: int, T: int, N: int, K: int, cfg=None, split_norm: int = 0) -
     return compile_kernel(g.fp8_gemv_kernel, sig, cx, cfg.warps, arch), cfg.bn * cfg.rs * bk / (32 * cfg.warps)
 
 
+def add_norm_gemv(arch: int, cfg) -> tuple[object, list[str] | None]:
+    """The one-token output projection (fp8_gemv_kernel at 2560 x 4096, block scales) with its residual
+    add and the split norm's sums of squares in the launch (fp8_block_gemv_add_norm(..., split_norm=True)),
+    in config cfg: (the compiled kernel, its SASS or None)."""
+    from sparkchat.engine.kernels import fp8_gemv as g
+
+    N, K_ = 2560, 4096
+    bk = min(cfg.bk, g._pow2(K_))
+    split = g._split_for(K_, bk, cfg.split)
+    cx = dict(T=1, N=N, K=K_, BN=cfg.bn, RS=cfg.rs, BK=bk, UNROLL=cfg.unroll, SCALE=0, OUT=3, SPLIT=split,
+              PREFETCH=cfg.prefetch, ROW_ACC=cfg.row_acc, XS=0, XU=0, X_SWIGLU=False, PDL=True,
+              KACC=g._kacc(cfg, bk), ADD_NORM=True, NORM_LAST=False, XN_NSQ=0, XN_NSQP=1)
+    sig = dict(_GEMV_SIG, y_ptr="*fp32", cnt_ptr="*i32", res_ptr="*bf16", s_out_ptr="*bf16", ssq_ptr="*fp32")
+    kernel = compile_kernel(g.fp8_gemv_kernel, sig, cx, cfg.warps, arch)
+    return kernel, disassemble(kernel, "fp8_gemv_kernel")
+
+
 MLA_SPLIT_SIG = {k: "*bf16" for k in ("ql_ptr", "qr_ptr", "c_ptr", "kr_ptr")}
 MLA_SPLIT_SIG |= {"pos_ptr": "*i64", "po_ptr": "*fp32", "plse_ptr": "*fp32", "attend": "i32", "S": "i32",
                   "qk_scale": "fp32"}

@@ -894,6 +894,45 @@ def test_shared_expert_inside_the_routed_stages_under_triton_interpreter():
     _run_interpreted(_SHARED_SCRIPT)
 
 
+_ONE_SPLIT_ADD_NORM_SCRIPT = textwrap.dedent("""
+    import torch
+    from sparkchat.engine.kernels.fp8_gemv import GemvConfig, add_rms_norm, fp8_block_gemv, fp8_block_gemv_add_norm
+    from tests.test_kernels import make_fp8
+    gen = torch.Generator().manual_seed(4)
+    N, K = 200, 256  # a partial last row block
+    w, si = make_fp8(N, K, gen=gen)
+    nw = (torch.rand(N, generator=gen) + 0.5).bfloat16()
+    for T in (1, 3):
+        x = torch.randn(T, K, generator=gen).bfloat16()
+        res = (torch.randn(T, N, generator=gen) * 2).bfloat16()
+        for cfg in (GemvConfig(bn=16, rs=1, bk=256, warps=2, split=1), GemvConfig(bn=8, rs=2, bk=64, warps=2, split=1)):
+            # the same y; s rounded as the interpreter rounds fp32 -> bf16 in a kernel (truncating)
+            s_ref = ((res.float() + fp8_block_gemv(x, w, si, config=cfg).float()).view(torch.int32) & -65536)
+            s_ref = s_ref.view(torch.float32).bfloat16()
+            s, h = fp8_block_gemv_add_norm(x, w, si, res, nw, 1e-6, config=cfg, split_norm=True)
+            assert torch.equal(s, s_ref), (T, cfg)
+            sq = h.split_norm.ssq
+            tiles = (s.float() ** 2).reshape(T, -1)
+            want = torch.nn.functional.pad(tiles, (0, sq.shape[1] * cfg.bn - N)).reshape(T, -1, cfg.bn).sum(-1)
+            assert torch.allclose(sq, want, rtol=1e-5), (T, cfg)
+            if T > 1:  # the whole norm in the launch (verify windows)
+                s2, h2 = fp8_block_gemv_add_norm(x, w, si, res, nw, 1e-6, config=cfg)
+                _, h_k = add_rms_norm(res, fp8_block_gemv(x, w, si, config=cfg), nw, 1e-6)  # the add+norm kernel
+                # only the order the squares are summed in differs
+                assert torch.equal(s2, s_ref) and (h2 == h_k).float().mean() > 0.95
+                assert (h2.float() - h_k.float()).abs().max() < 0.05
+    print("interpreter ok")
+""")
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+def test_one_split_add_norm_under_triton_interpreter():
+    """An output projection's add+norm in one split (GemvConfig.split 1): the kernel adds the residual from
+    its registers, no partials or arrival counter — s exactly residual + the GEMV's own output, the sums
+    of squares those of s by row tile, the whole norm within a rounding of the add+norm's."""
+    _run_interpreted(_ONE_SPLIT_ADD_NORM_SCRIPT)
+
+
 _ROWS2_SCRIPT = textwrap.dedent("""
     import dataclasses
     import torch

@@ -67,6 +67,21 @@ def test_vectorized_moe_stages_issue_their_weight_and_scale_loads_first():
     s.moe_vec_loads(2, arch=121)
 
 
+def test_one_split_add_norm_has_no_arrival_counter():
+    """The output projection's add+norm in one split (GemvConfig.split 1) adds from registers: no atomic
+    in its SASS, where the tuned split-K config has its arrival counter."""
+    from dataclasses import replace
+
+    from sparkchat.engine.kernels.fp8_gemv import gemv_config
+
+    s = _tools()
+    tuned = gemv_config("block", 1, 2560, 4096)
+    _, split_k = s.add_norm_gemv(90, tuned)
+    _, one = s.add_norm_gemv(90, replace(tuned, split=1, bk=1024, warps=4))
+    assert any(s._op(i).startswith("ATOM") for i in split_k)
+    assert not any(s._op(i).startswith(("ATOM", "RED")) for i in one), [i for i in one if "ATOM" in i]
+
+
 @pytest.mark.parametrize("rows2", [4, 8])
 def test_moe_stage2_rows_loads_every_slot_before_the_pdl_wait(rows2):
     """MoeConfig.rows2 (one token, the shared expert's down rows and the split norm's add as the engine

@@ -189,6 +189,7 @@ def fp8_gemv_kernel(
     EVEN_N: tl.constexpr = N % (RS * BN) == 0
     KB: tl.constexpr = (K + SCALE_BLOCK - 1) // SCALE_BLOCK
     XSTRIDE: tl.constexpr = K if XS == 0 else XS
+    NBLK: tl.constexpr = (N + RS * BN - 1) // (RS * BN)  # row blocks (ADD_NORM's sums of squares: NBLK * RS)
     accs = ()
     for i in tl.static_range(T * RS):
         if ROW_ACC:
@@ -249,12 +250,20 @@ def fp8_gemv_kernel(
                 tl.store(y_ptr + t * N + rows, y.to(tl.bfloat16), mask=rows < N)
             elif OUT == 1:
                 tl.store(y_ptr + t * N + rows, y, mask=rows < N)
+            elif ADD_NORM and SPLIT == 1:
+                # the whole sum is this program's: the add and the sum of squares from registers, with no
+                # partials written, no arrival counter, no reload (_add_norm_tail's roundings)
+                _add_rows(y, res_ptr, s_out_ptr, ssq_ptr, t, rows, pid * RS + r, N, NBLK * RS)
             else:
                 tl.store(y_ptr + (tl.program_id(1) * T + t) * N + rows, y, mask=rows < N)
         if OUT == 2:
             tl.store(pmax_ptr + t * NP + pid, bv)
             tl.store(pidx_ptr + t * NP + pid, bi)
-    if ADD_NORM:
+    if ADD_NORM and SPLIT == 1:
+        if NORM_LAST:
+            _add_norm_last(s_out_ptr, cnt_ptr, nw_ptr, h_ptr, ssq_ptr, eps, h16_ptr, hd_ptr, hx_ptr, NBLK,
+                           NBLK * RS, T, N, F16, MOE_X, INTERPRET)
+    elif ADD_NORM:
         _add_norm_tail(y_ptr, cnt_ptr, res_ptr, nw_ptr, s_out_ptr, h_ptr, ssq_ptr, eps, h16_ptr, hd_ptr, hx_ptr,
                        pid, r0, sub, T, N, BN, RS, SPLIT, F16, MOE_X, INTERPRET, NORM_LAST)
 
@@ -370,14 +379,26 @@ def splitk_reduce_kernel(part_ptr, s_ptr, y_ptr, TN: tl.constexpr, N: tl.constex
 
 
 @triton.jit
+def _add_rows(y, res_ptr, s_out_ptr, ssq_ptr, t, rows, tile, N: tl.constexpr, NSQ: tl.constexpr):
+    """Token t's rows of the projection y (fp32): s = bf16(residual + bf16(y)) and the tile's sum of squares."""
+    m = rows < N
+    res = tl.load(res_ptr + t * N + rows, mask=m, other=0.0).to(tl.float32)
+    sv = (res + y.to(tl.bfloat16).to(tl.float32)).to(tl.bfloat16)
+    tl.store(s_out_ptr + t * N + rows, sv, mask=m)
+    sf = tl.where(m, sv.to(tl.float32), 0.0)
+    tl.store(ssq_ptr + t * NSQ + tile, tl.sum(sf * sf, axis=0))
+
+
+@triton.jit
 def _add_norm_tail(part_ptr, cnt_ptr, res_ptr, nw_ptr, s_out_ptr, h_ptr, ssq_ptr, eps, h16_ptr, hd_ptr, hx_ptr,
                    pid, r0, sub, T: tl.constexpr, N: tl.constexpr, BN: tl.constexpr, RS: tl.constexpr,
                    SPLIT: tl.constexpr, F16: tl.constexpr, MOE_X: tl.constexpr, INTERPRET: tl.constexpr,
                    NORM_LAST: tl.constexpr = True):
     """splitk_add_norm_kernel's work, done by the GEMV's own programs so that the output projection and
-    the add+norm after it are one launch. The last split of each row block to finish (arrival counter
-    pid) sums its rows' partials in split order, adds the residual (s = bf16(residual + bf16(y))) and
-    writes s and each row tile's sum of squares; the last row block to finish (counter NP) then turns s
+    the add+norm after it are one launch (SPLIT > 1: with one split the kernel adds from its registers,
+    _add_rows). The last split of each row block to finish (arrival counter pid) sums its rows' partials
+    in split order, adds the residual (s = bf16(residual + bf16(y))) and writes s and each row tile's sum
+    of squares; the last row block to finish (counter NP) then turns s
     into h = w * bf16(s * rsqrt(mean(s²) + eps)) for all N columns (and h's F16 / MOE_X forms). Both
     counters are reset by the program that reads them. Same roundings as the two-launch path; only the
     order in which the squares are summed differs. NORM_LAST False: s and the sums of squares only, the
@@ -392,12 +413,8 @@ def _add_norm_tail(part_ptr, cnt_ptr, res_ptr, nw_ptr, s_out_ptr, h_ptr, ssq_ptr
             for r in tl.static_range(RS):
                 rows = r0 + r * BN + sub
                 m = rows < N
-                y = _split_sum(part_ptr, t, rows, m, T, N, SPLIT)
-                res = tl.load(res_ptr + t * N + rows, mask=m, other=0.0).to(tl.float32)
-                sv = (res + y.to(tl.bfloat16).to(tl.float32)).to(tl.bfloat16)
-                tl.store(s_out_ptr + t * N + rows, sv, mask=m)
-                sf = sv.to(tl.float32)
-                tl.store(ssq_ptr + t * NSQ + pid * RS + r, tl.sum(sf * sf, axis=0))
+                _add_rows(_split_sum(part_ptr, t, rows, m, T, N, SPLIT), res_ptr, s_out_ptr, ssq_ptr, t, rows,
+                          pid * RS + r, N, NSQ)
         tl.store(cnt_ptr + pid, 0)
         if NORM_LAST:
             _add_norm_last(s_out_ptr, cnt_ptr, nw_ptr, h_ptr, ssq_ptr, eps, h16_ptr, hd_ptr, hx_ptr, NP, NSQ, T, N,
