@@ -173,9 +173,8 @@ rows() {
         2>&1 | tee "$OUT/ab-rows.txt"
     SPARKCHAT_MOE_CONFIG=T1.rows2:4 timeout 100 python3 benchmarks/profile_step.py --timeline 2>&1 \
         | tee "$OUT/timeline-step-rows.txt"
-    local o=block.1.2560.4096
     timeout 240 python3 benchmarks/profile_step.py --rounds 4 \
-        --switch "SPARKCHAT_GEMV_CONFIG=$o.split:1/$o.bk:1024/$o.warps:4,$o.split:1/$o.bn:4/$o.bk:2048/$o.warps:4" \
+        --switch "SPARKCHAT_GEMV_CONFIG=block.1.2560.4096.split:1/block.1.2560.4096.bk:1024/block.1.2560.4096.warps:4,block.1.2560.4096.split:1/block.1.2560.4096.bn:4/block.1.2560.4096.bk:2048/block.1.2560.4096.warps:4" \
         2>&1 | tee "$OUT/ab-oproj1.txt"
 }
 
