@@ -59,6 +59,15 @@ def make_fp8(N: int, K: int, device="cpu", gen=None):
     return w, scale_inv.to(device)
 
 
+def make_small_shared(H: int, I: int, gen=None):
+    """A small shared expert (I <= 128) for the interpreter scripts: a fused FP8 gate|up of 256 rows, gate rows
+    0..I-1 and up rows from 128 (FusedLinear's padding to whole blocks), its down [H, I], SwiGLU clamp 0.5."""
+    from sparkchat.engine.kernels.mxfp4_moe import SharedExpert
+    gu_w, gu_s = make_fp8(256, H, gen=gen)
+    dn_w, dn_s = make_fp8(H, I, gen=gen)
+    return SharedExpert(gu_w, gu_s, 128, dn_w, dn_s, 0.5)
+
+
 # ---------------------------------------------------------------- independent plain computations (float64)
 def e2m1_formula(code: int) -> float:
     s, e, m = code >> 3, (code >> 1) & 3, code & 1
@@ -764,15 +773,14 @@ _TAIL_AT_ONCE_SCRIPT = textwrap.dedent("""
     import os
     import torch
     from sparkchat.engine.kernels import reference as ref
-    from sparkchat.engine.kernels.mxfp4_moe import MoeConfig, SharedExpert, mxfp4_moe, pack_moe_x
+    from sparkchat.engine.kernels.mxfp4_moe import MoeConfig, mxfp4_moe, pack_moe_x
     from sparkchat.engine.nn.moe import swiglu
-    from tests.test_kernels import make_experts, make_fp8, make_routing, rel_err
+    from tests.test_kernels import make_experts, make_routing, make_small_shared, rel_err
     gen = torch.Generator().manual_seed(21)
     H, I, E, K = 64, 32, 6, 4
     w13, s13, w2, s2 = make_experts(E, H, I, gen=gen)
-    gu_w, gu_s = make_fp8(256, H, gen=gen)
-    dn_w, dn_s = make_fp8(H, I, gen=gen)
-    sh = SharedExpert(gu_w, gu_s, 128, dn_w, dn_s, 0.5)
+    sh = make_small_shared(H, I, gen)
+    gu_w, gu_s, dn_w, dn_s = sh.gate_up, sh.gate_up_scale, sh.down, sh.down_scale
     packed = MoeConfig(bn1=8, rs1=1, bkw1=4, bn2=16, rs2=2, bkw2=4, dedupe=False, packed=True, packed_act=True,
                        vec1=True, vec2=True)
     # the 16-byte stages with the shared expert's down in stage 2; the k-loop stages (deduplicated
@@ -842,15 +850,14 @@ _SHARED_SCRIPT = textwrap.dedent("""
     import dataclasses
     import torch
     from sparkchat.engine.kernels import reference as ref
-    from sparkchat.engine.kernels.mxfp4_moe import MoeConfig, SharedExpert, mxfp4_moe, pack_moe_x, shared_fusable
+    from sparkchat.engine.kernels.mxfp4_moe import MoeConfig, mxfp4_moe, pack_moe_x, shared_fusable
     from sparkchat.engine.nn.moe import swiglu
-    from tests.test_kernels import make_experts, make_fp8, make_routing, rel_err
+    from tests.test_kernels import make_experts, make_routing, make_small_shared, rel_err
     gen = torch.Generator().manual_seed(0)
     H, I, E, K = 64, 32, 6, 4
     w13, s13, w2, s2 = make_experts(E, H, I, gen=gen)
-    gu_w, gu_s = make_fp8(256, H, gen=gen)  # gate rows 0..31, up rows 128..159: FusedLinear's padding
-    dn_w, dn_s = make_fp8(H, I, gen=gen)
-    sh = SharedExpert(gu_w, gu_s, 128, dn_w, dn_s, 0.5)
+    sh = make_small_shared(H, I, gen)
+    gu_w, gu_s, dn_w, dn_s = sh.gate_up, sh.gate_up_scale, sh.down, sh.down_scale
     ids, wts = make_routing(1, K, E, 0, gen)
     x = torch.randn(1, H, generator=gen).bfloat16()
     gu = ref.fp8_block_gemv_reference(x, gu_w, gu_s)  # the shared MLP's kernels' roundings
@@ -939,15 +946,13 @@ def test_one_split_add_norm_under_triton_interpreter():
 _ROWS2_SCRIPT = textwrap.dedent("""
     import dataclasses
     import torch
-    from sparkchat.engine.kernels.mxfp4_moe import (MoeConfig, SharedExpert, mxfp4_moe, mxfp4_moe_add_norm,
+    from sparkchat.engine.kernels.mxfp4_moe import (MoeConfig, mxfp4_moe, mxfp4_moe_add_norm,
                                                     mxfp4_moe_add_sumsq, mxfp4_moe_workspace, pack_moe_x)
-    from tests.test_kernels import make_experts, make_fp8, make_routing
+    from tests.test_kernels import make_experts, make_routing, make_small_shared
     gen = torch.Generator().manual_seed(3)
     H, I, E, K = 64, 32, 6, 4
     w13, s13, w2, s2 = make_experts(E, H, I, gen=gen)
-    gu_w, gu_s = make_fp8(256, H, gen=gen)
-    dn_w, dn_s = make_fp8(H, I, gen=gen)
-    sh = SharedExpert(gu_w, gu_s, 128, dn_w, dn_s, 0.5)
+    sh = make_small_shared(H, I, gen)
     nw = (torch.rand(H, generator=gen) + 0.5).bfloat16()
     slots = MoeConfig(bn1=8, rs1=1, bkw1=4, bn2=16, rs2=2, bkw2=4, dedupe=False, packed=True, packed_act=True,
                       vec1=True, vec2=True)
@@ -996,8 +1001,8 @@ _MOE_NORM_SCRIPT = textwrap.dedent("""
     import dataclasses
     import torch
     from sparkchat.engine.kernels.fp8_gemv import add_rms_norm
-    from sparkchat.engine.kernels.mxfp4_moe import MoeConfig, SharedExpert, mxfp4_moe, mxfp4_moe_add_norm
-    from tests.test_kernels import make_experts, make_fp8, make_routing
+    from sparkchat.engine.kernels.mxfp4_moe import MoeConfig, mxfp4_moe, mxfp4_moe_add_norm
+    from tests.test_kernels import make_experts, make_routing, make_small_shared
     gen = torch.Generator().manual_seed(0)
     H, I, E, K = 128, 32, 6, 4  # H: one whole 128-column block, for the fp16 form
     w13, s13, w2, s2 = make_experts(E, H, I, gen=gen)
@@ -1020,9 +1025,7 @@ _MOE_NORM_SCRIPT = textwrap.dedent("""
     wrong = mxfp4_moe_add_norm(x, ids, wts, w13, s13, w2, s2, 0.02, res, nw * 2, 1e-6, config=base)[1]
     assert not torch.equal(wrong, h_got)  # the norm weight is applied
     # with the shared expert inside the stages too (one token)
-    gu_w, gu_s = make_fp8(256, H, gen=gen)
-    dn_w, dn_s = make_fp8(H, I, gen=gen)
-    sh = SharedExpert(gu_w, gu_s, 128, dn_w, dn_s, 0.5)
+    sh = make_small_shared(H, I, gen)
     y = mxfp4_moe(x[:1], ids[:1], wts[:1], w13, s13, w2, s2, 0.02, config=base, shared=sh)
     s_got, _ = mxfp4_moe_add_norm(x[:1], ids[:1], wts[:1], w13, s13, w2, s2, 0.02, res[:1], nw, 1e-6, config=base,
                                   shared=sh)
