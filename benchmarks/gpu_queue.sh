@@ -2,7 +2,7 @@
 # The GPU runs waiting for a development GPU, as named batches, so a lent machine starts on them at once.
 #
 #   bash benchmarks/gpu_queue.sh wheels        # here (with package registries): the wheels the GPU box lacks
-#   bash benchmarks/gpu_queue.sh quick|qbench|gemvs|verify|pipeline|sampled|handoff|decode|tails|verify4|rows|race|first|ab|tests|configs|bench|load   # on the GPU box, logs under $OUT (default ./gpu-out)
+#   bash benchmarks/gpu_queue.sh quick|qbench|gemvs|verify|pipeline|sampled|handoff|decode|tails|verify4|race|first|ab|tests|configs|bench|load   # on the GPU box, logs under $OUT (default ./gpu-out)
 #
 # The GPU box has torch, triton and transformers, but not this project's other dependencies, nor the
 # transformers the tiny test models need (5.24), and it cannot fetch: `wheels` downloads them into .whl2/
@@ -154,30 +154,6 @@ verify4() {
         --switch SPARKCHAT_MLA_COMBINE=2,1 2>&1 | tee "$OUT/ab-verify4.txt"
 }
 
-# MoeConfig.rows2 (session 32, off until timed): the one-token stage 2 as a program per block of rows2
-# output rows holding every slot, all slots' down weights loaded before the PDL wait, the slots summed in
-# registers — no partials, no arrival counter, no last program reading them back (two trips to L2 fewer
-# at the end of every MoE layer's chain; the H200's step: stage 2 5.7 us exposed a layer for ~10 MB).
-# Its GPU kernel test, the GPU engine tests with it on, the graphed step 4 rounds for 4 and 8 rows against
-# off, the step's timeline with it on. The same question for the one-token output projection (split-K 4,
-# its add + sums of squares after an arrival counter): in one split its programs add from registers
-# (session 32), timed 4 rounds with 8 rows x 1024-column steps and 4 rows x 2048, 4 warps, against split 4.
-rows() {
-    timeout 150 python3 -m pytest -q tests/test_kernels.py \
-        -k "stage2_rows_gpu or shared_expert_in_the_stages_gpu or add_norm_gpu or finishing_the_moe_norm_gpu" \
-        2>&1 | tail -3 | tee "$OUT/kernel-tests.txt"
-    tiny_models || return 1
-    SPARKCHAT_MOE_CONFIG=T1.rows2:4 timeout 150 python3 -m pytest -q -x tests/test_gpu_engine.py \
-        -k "fast_path_matches or lossless" 2>&1 | tail -3 | tee "$OUT/engine.txt"
-    timeout 240 python3 benchmarks/profile_step.py --rounds 4 --switch SPARKCHAT_MOE_CONFIG=T1.rows2:4,T1.rows2:8 \
-        2>&1 | tee "$OUT/ab-rows.txt"
-    SPARKCHAT_MOE_CONFIG=T1.rows2:4 timeout 100 python3 benchmarks/profile_step.py --timeline 2>&1 \
-        | tee "$OUT/timeline-step-rows.txt"
-    timeout 240 python3 benchmarks/profile_step.py --rounds 4 \
-        --switch "SPARKCHAT_GEMV_CONFIG=block.1.2560.4096.split:1/block.1.2560.4096.bk:1024/block.1.2560.4096.warps:4,block.1.2560.4096.split:1/block.1.2560.4096.bn:4/block.1.2560.4096.bk:2048/block.1.2560.4096.warps:4" \
-        2>&1 | tee "$OUT/ab-oproj1.txt"
-}
-
 # `sparkchat bench` with the defaults (the headline row and the Spark projection) and the GPU engine
 # tests (greedy tokens as the CPU reference's, the MTP loop lossless).
 qbench() {
@@ -261,6 +237,6 @@ load() {  # the checkpoint reader to the GPU: mmap vs plain reads, and the page 
 
 case "${1:-}" in
     wheels) wheels ;;
-    quick|qbench|gemvs|verify|pipeline|sampled|handoff|decode|tails|verify4|rows|race|first|ab|tests|configs|bench|load) install_wheels; "$1" ;;
-    *) echo "usage: $0 wheels|quick|qbench|gemvs|verify|pipeline|sampled|handoff|decode|tails|verify4|rows|race|first|ab|tests|configs|bench|load" >&2; exit 2 ;;
+    quick|qbench|gemvs|verify|pipeline|sampled|handoff|decode|tails|verify4|race|first|ab|tests|configs|bench|load) install_wheels; "$1" ;;
+    *) echo "usage: $0 wheels|quick|qbench|gemvs|verify|pipeline|sampled|handoff|decode|tails|verify4|race|first|ab|tests|configs|bench|load" >&2; exit 2 ;;
 esac

@@ -243,37 +243,6 @@ def moe_vec_loads(stage: int, arch: int = 90, fence: bool = True) -> tuple[dict,
     return kinds, registers(kernel, name)
 
 
-def moe_stage2_rows(arch: int = 90, rows2: int = 4) -> tuple[dict, object, str]:
-    """The one-token stage 2 as a program per block of rows2 rows holding every slot (MoeConfig.rows2), as
-    the engine launches it with the shared expert's down rows and the split norm's add (SPARKCHAT_MOE_SHARED=2,
-    SPARKCHAT_MOE_ADD_NORM=2): ({load kind: [before, after] the PDL wait (ACQBULK)}, compiled kernel, name);
-    the dict is empty where cuobjdump cannot read the architecture."""
-    from sparkchat.engine.kernels import mxfp4_moe as m
-
-    cfg = replace(m.moe_config(1, H, INTER), rows2=rows2)
-    plan = m._plan(1, K, H, INTER, cfg, True, x_packed=True, shared_up=INTER)
-    bn = plan.rows2
-    warps = max(1, bn * plan.meta2["BKW"] // 128)
-    fn = m.mxfp4_moe_stage2_rows_kernel
-    sig = {"act_ptr": "*i32", "ids_ptr": "*i32", "w2_ptr": "*i32", "s2_ptr": "*u8", "y_ptr": "*bf16",
-           "shw_ptr": "*fp8e4nv", "shs_ptr": "*fp32", "sha_ptr": "*fp32", "res_ptr": "*bf16", "s_out_ptr": "*bf16",
-           "ssq_ptr": "*fp32"}
-    meta = dict(K=K, H=H, I=INTER, BN=bn, BKW=plan.meta2["BKW"], INTERPRET=False, PDL=True, PAIRED=True,
-                ACT_PACKED=plan.meta2["ACT_PACKED"], TILE=plan.meta2["TILE"], SHARED=True,
-                SH_BK=m._fit(min(256, max(16, m._pow2(16 * 32 * warps // bn))), INTER), NORM=True)
-    kernel = compile_kernel(fn, sig, meta, warps, arch)
-    sass = disassemble(kernel, fn.__name__)
-    kinds: dict[str, list[int]] = {}
-    if sass is not None:
-        ops = [_op(ins) for ins in sass]
-        wait = ops.index("ACQBULK")
-        for i, ins in enumerate(sass):
-            if ops[i] in ("LDG", "STL"):
-                kind = ins.split()[1] if ins.startswith("@") else ins.split()[0]
-                kinds.setdefault(kind, [0, 0])[i > wait] += 1
-    return kinds, kernel, fn.__name__
-
-
 def moe_vec_stage_ops(T: int, stage: int, arch: int = 90) -> tuple[dict[str, int], int | None] | None:
     """(instruction counts by opcode, registers) of a MoE stage in 16-byte loads as the engine launches it
     for T tokens (the tuned config, paired words, packed input, PDL); None where cuobjdump cannot read

@@ -21,15 +21,7 @@ from sparkchat.engine import fastpath
 from sparkchat.engine.nn import moe
 from sparkchat.engine.nn.ops import ops
 
-path, together = sys.argv[1], sys.argv[2] in ("together", "rows")  # together: every candidate on every MoE layer
-rows_calls = []  # rows: together, with stage 2 a program per row block (SPARKCHAT_MOE_CONFIG=T1.rows2:4)
-if sys.argv[2] == "rows":
-    from sparkchat.engine.kernels import mxfp4_moe as mk
-    plain_rows = mk._Plan._stage2_rows
-    def counted_rows(self, *args):
-        rows_calls.append(self.rows2)
-        return plain_rows(self, *args)
-    mk._Plan._stage2_rows = counted_rows
+path, together = sys.argv[1], sys.argv[2] == "together"  # together: every candidate on every MoE layer
 cfg = ModelConfig.from_dir(path)
 model = load_model(path, cfg, "cpu", torch.bfloat16, 128, quantize_experts=True)
 prompt, follow, window = list(range(5, 30)), [7, 8, 9, 10, 11], [12, 13, 14, 15]
@@ -135,7 +127,6 @@ assert calls and max(calls) <= 8, calls
 assert prompt_rows and set(prompt_rows) == {len(prompt)}, prompt_rows  # the prompt's FP8 linears: the GEMM  # the residual add + input norm of every layer after the first
 assert all(m.experts.paired for m in model.modules() if isinstance(m, moe.MoE))
 assert any(packed_x), packed_x  # decode steps' MoE layers got their input packed by the norm before
-assert bool(rows_calls) == (sys.argv[2] == "rows"), rows_calls  # the one-token steps' stage 2 by row blocks
 if together:  # one-token steps take every candidate; longer windows what applies to them
     assert any(in_stages) and any(normed) and any(split_reads) and any(split_inputs), (in_stages, normed, split_inputs)
     assert any(late_adds), late_adds  # the verify's window: the next norm is not stage 2's there
@@ -152,12 +143,11 @@ print("ok", rel)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed (CPU-only CI)")
-@pytest.mark.parametrize("mode", ["mixed", "together", "rows"])
+@pytest.mark.parametrize("mode", ["mixed", "together"])
 def test_fast_path_matches_reference_under_the_interpreter(tmp_path, mode):
     """mixed: each MoE layer a different combination of the fused and split forms; together: all of them
     on every MoE layer (shared expert in the stages, next norm split by stage 2, input norm split by the
-    router, shared output added late), as the profile_step A/Bs set them together; rows: together, with
-    one-token stage 2 a program per row block holding every slot (MoeConfig.rows2)."""
+    router, shared output added late), as the profile_step A/Bs set them together."""
     import json
 
     from safetensors.torch import load_file
@@ -172,8 +162,6 @@ def test_fast_path_matches_reference_under_the_interpreter(tmp_path, mode):
     path = tmp_path / "fp4"  # FP8 block linears + MXFP4 experts: every kernel gets exercised
     save_release_checkpoint(path, tensors, json.loads((plain / "config.json").read_text()))
     env = dict(os.environ, TRITON_INTERPRET="1")
-    if mode == "rows":
-        env["SPARKCHAT_MOE_CONFIG"] = "T1.rows2:4"
     r = subprocess.run([sys.executable, "-c", SCRIPT, str(path), mode], capture_output=True, text=True, env=env,
                        timeout=600)
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-3000:]

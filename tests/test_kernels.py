@@ -301,43 +301,6 @@ def test_mxfp4_moe_shared_expert_in_the_stages_gpu(T, vec):
 
 
 @gpu
-@pytest.mark.parametrize("rows2", [4, 8])
-def test_mxfp4_moe_stage2_rows_gpu(rows2):
-    """MoeConfig.rows2 at the Ling shape with the engine's one-token config: stage 2 a program per row block
-    holding every slot, with the shared expert inside the stages and the split norm's add, against the
-    per-slot kernel (the same sums; the GPU's reduction trees may differ in the last bits) and the twin."""
-    from dataclasses import replace
-
-    from sparkchat.engine.kernels.mxfp4_moe import (moe_config, mxfp4_moe, mxfp4_moe_add_sumsq, mxfp4_moe_workspace,
-                                                    pack_moe_x)
-    gen = torch.Generator().manual_seed(23)
-    w13, s13, w2, s2, a13, a2, sh = _ling_experts_and_shared(gen)
-    slots = moe_config(1, 2560, 768)
-    rows = replace(slots, rows2=rows2)
-    for _ in range(3):
-        ids, wts = (t.cuda() for t in make_routing(1, 8, 40, 0, gen))
-        x = torch.randn(1, 2560, generator=gen).bfloat16().cuda()
-        res = (torch.randn(1, 2560, generator=gen) * 3).bfloat16().cuda()
-        kw = dict(paired=True, x_packed=pack_moe_x(x))
-        for shared in (None, sh):
-            want = mxfp4_moe(x, ids, wts, a13, s13, a2, s2, 4.0, config=slots, shared=shared, **kw)
-            ws = mxfp4_moe_workspace(1, 8, 2560, 768, "cuda")
-            ws.part.fill_(float("nan"))
-            got = mxfp4_moe(x, ids, wts, a13, s13, a2, s2, 4.0, config=rows, shared=shared, workspace=ws, **kw)
-            assert torch.isnan(ws.part).all()  # the rows kernel ran
-            assert (got == want).float().mean().item() > 0.99 and rel_err(got, want) < 1e-3
-            twin = ref.mxfp4_moe_reference(x, ids, wts, w13, s13, w2, s2, 4.0)
-            if shared is None:
-                assert rel_err(got, twin) < 1e-2
-            s_want, q_want = mxfp4_moe_add_sumsq(x, ids, wts, a13, s13, a2, s2, 4.0, res, config=slots,
-                                                 shared=shared, **kw)
-            s_got, q_got = mxfp4_moe_add_sumsq(x, ids, wts, a13, s13, a2, s2, 4.0, res, config=rows, shared=shared,
-                                               **kw)
-            assert (s_got == s_want).float().mean().item() > 0.99 and q_got.shape == (1, 2560 // rows2)
-            assert torch.allclose(q_got.view(-1), (s_got.float().view(-1, rows2) ** 2).sum(1), rtol=1e-5)
-
-
-@gpu
 @pytest.mark.parametrize("T", [1, 4])
 def test_mxfp4_moe_add_norm_gpu(T):
     """The Ling shape with the engine's configs: the MoE with the next layer's add+norm in stage 2 against
@@ -941,60 +904,6 @@ def test_one_split_add_norm_under_triton_interpreter():
     its registers, no partials or arrival counter — s exactly residual + the GEMV's own output, the sums
     of squares those of s by row tile, the whole norm within a rounding of the add+norm's."""
     _run_interpreted(_ONE_SPLIT_ADD_NORM_SCRIPT)
-
-
-_ROWS2_SCRIPT = textwrap.dedent("""
-    import dataclasses
-    import torch
-    from sparkchat.engine.kernels.mxfp4_moe import (MoeConfig, mxfp4_moe, mxfp4_moe_add_norm,
-                                                    mxfp4_moe_add_sumsq, mxfp4_moe_workspace, pack_moe_x)
-    from tests.test_kernels import make_experts, make_routing, make_small_shared
-    gen = torch.Generator().manual_seed(3)
-    H, I, E, K = 64, 32, 6, 4
-    w13, s13, w2, s2 = make_experts(E, H, I, gen=gen)
-    sh = make_small_shared(H, I, gen)
-    nw = (torch.rand(H, generator=gen) + 0.5).bfloat16()
-    slots = MoeConfig(bn1=8, rs1=1, bkw1=4, bn2=16, rs2=2, bkw2=4, dedupe=False, packed=True, packed_act=True,
-                      vec1=True, vec2=True)
-    rows = dataclasses.replace(slots, rows2=4)
-    ids, wts = make_routing(1, K, E, 0, gen)
-    x = torch.randn(1, H, generator=gen).bfloat16()
-    res = (torch.randn(1, H, generator=gen) * 2).bfloat16()
-    kw = dict(x_packed=pack_moe_x(x))
-    for shared in (None, sh):
-        want = mxfp4_moe(x, ids, wts, w13, s13, w2, s2, 0.02, config=slots, shared=shared, **kw)
-        ws = mxfp4_moe_workspace(1, K, H, I, "cpu")
-        ws.part.fill_(float("nan"))
-        got = mxfp4_moe(x, ids, wts, w13, s13, w2, s2, 0.02, config=rows, shared=shared, workspace=ws, **kw)
-        assert torch.isnan(ws.part).all()  # no partials: the rows kernel ran
-        assert torch.equal(got, want), shared  # the slots summed in the same order, the shared add rounded alike
-        s_want, q_want = mxfp4_moe_add_sumsq(x, ids, wts, w13, s13, w2, s2, 0.02, res, config=slots, shared=shared,
-                                             **kw)
-        s_got, q_got = mxfp4_moe_add_sumsq(x, ids, wts, w13, s13, w2, s2, 0.02, res, config=rows, shared=shared,
-                                           **kw)
-        assert torch.equal(s_got, s_want) and q_got.shape == (1, H // 4) and q_want.shape == (1, H // 16)
-        sq = s_got.float().view(-1, 4) ** 2
-        assert torch.allclose(q_got.view(-1), sq.sum(1), rtol=1e-6)  # one sum of squares a 4-row block
-        assert torch.allclose(q_got.view(-1, 4).sum(1), q_want.view(-1), rtol=1e-5)
-        # the whole norm in stage 2 (NORM 1) and an `add` keep the per-slot kernel, with the same results
-        assert torch.equal(mxfp4_moe_add_norm(x, ids, wts, w13, s13, w2, s2, 0.02, res, nw, 1e-6, config=rows,
-                                              shared=shared, **kw)[0], s_want)
-    shared_out = torch.randn(1, H, generator=gen).bfloat16()
-    assert torch.equal(mxfp4_moe(x, ids, wts, w13, s13, w2, s2, 0.02, config=rows, add=shared_out, **kw),
-                       mxfp4_moe(x, ids, wts, w13, s13, w2, s2, 0.02, config=slots, add=shared_out, **kw))
-    other = ids.flip(1).contiguous()  # the same experts, other slots: weights go with their slot
-    assert not torch.equal(mxfp4_moe(x, other, wts, w13, s13, w2, s2, 0.02, config=rows, **kw),
-                           mxfp4_moe(x, ids, wts, w13, s13, w2, s2, 0.02, config=rows, **kw))
-    print("interpreter ok")
-""")
-
-
-@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
-def test_stage2_rows_kernel_under_triton_interpreter():
-    """MoeConfig.rows2 (one token): stage 2 as a program per row block holding every slot gives the per-slot
-    kernel's y and s bit for bit, with and without the shared expert's down rows, and a sum of squares a
-    row block; the cases it does not serve fall back to the per-slot kernel."""
-    _run_interpreted(_ROWS2_SCRIPT)
 
 
 _MOE_NORM_SCRIPT = textwrap.dedent("""

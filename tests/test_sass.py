@@ -82,21 +82,6 @@ def test_one_split_add_norm_has_no_arrival_counter():
     assert not any(s._op(i).startswith(("ATOM", "RED")) for i in one), [i for i in one if "ATOM" in i]
 
 
-@pytest.mark.parametrize("rows2", [4, 8])
-def test_moe_stage2_rows_loads_every_slot_before_the_pdl_wait(rows2):
-    """MoeConfig.rows2 (one token, the shared expert's down rows and the split norm's add as the engine
-    runs them): every slot's down weights (24 LDG.128 a thread) and scale bytes (24), the shared rows (6
-    LDG.128) and their scales come before the wait, only activations and the residual after it, with no
-    stack (measured on sm_90: 30 wide loads before, 172 registers); it compiles for sm_121 alike."""
-    s = _tools()
-    kinds, kernel, name = s.moe_stage2_rows(90, rows2)
-    assert kinds["LDG.E.128"][0] == 30 and kinds["LDG.E.U8"] == [24, 0], kinds
-    assert "STL" not in kinds and s.stack_frame(kernel, name) in (0, None), kinds
-    assert s.registers(kernel, name) <= 200, s.registers(kernel, name)
-    _, spark, name = s.moe_stage2_rows(121, rows2)
-    assert s.stack_frame(spark, name) in (0, None)
-
-
 @pytest.mark.parametrize("T, stage, limits", [
     (1, 1, dict(BAR=1, LDS=1, all=960)),
     (1, 2, dict(BAR=4, LDS=2, all=670)),  # 10 barriers, 8 shared loads, 688 instructions before

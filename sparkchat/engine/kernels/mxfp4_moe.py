@@ -955,65 +955,6 @@ def _stage2_vec_routed(act_ptr, ids_ptr, w2_ptr, s2_ptr, part_ptr, s, rows, H: t
     tl.store(part_ptr + s * H + rows, tl.sum(acc, axis=1))
 
 
-@triton.jit
-def mxfp4_moe_stage2_rows_kernel(
-    act_ptr, ids_ptr, w2_ptr, s2_ptr, y_ptr,
-    K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, BN: tl.constexpr, BKW: tl.constexpr,
-    INTERPRET: tl.constexpr = False, PDL: tl.constexpr = False, PAIRED: tl.constexpr = False,
-    ACT_PACKED: tl.constexpr = False, FENCE: tl.constexpr = True, TILE: tl.constexpr = True,
-    shw_ptr=None, shs_ptr=None, sha_ptr=None, SHARED: tl.constexpr = False, SH_BK: tl.constexpr = 0,
-    res_ptr=None, s_out_ptr=None, ssq_ptr=None, NORM: tl.constexpr = False,
-):
-    """One token's stage 2 with a program per block of BN output rows holding every slot (MoeConfig.rows2):
-    all K experts' down rows (and with SHARED the shared expert's FP8 down rows) are loaded before the PDL
-    wait, as mxfp4_moe_stage2_vec_kernel loads one slot's; after it each slot's rows are summed as that
-    kernel sums them and added in slot order in registers, so the program writes y itself — no partials
-    written, no arrival counter, no last program reading them back (two trips to L2 fewer on the step's
-    chain). Same roundings as _sum_slots: y = bf16(sum of slots), + the shared output as bf16 + bf16;
-    NORM: s = bf16(residual + y) and this block's sum of squares ssq[nb] (mxfp4_moe_add_sumsq)."""
-    nb = tl.program_id(0)
-    rows = nb * BN + tl.arange(0, BN)
-    IW: tl.constexpr = I // 8
-    IG: tl.constexpr = I // 32
-    G: tl.constexpr = BKW // 4
-    STEPS: tl.constexpr = IW // BKW
-    word = tl.arange(0, BKW)
-    ws = ()
-    ss = ()
-    for k in tl.static_range(K):
-        e = tl.load(ids_ptr + k).to(tl.int32)  # written by the router, two kernels back: safe before the wait
-        w_ptr = w2_ptr + e.to(tl.int64) * (H * IW) + rows[:, None] * IW + word[None, :]
-        sc_ptr = s2_ptr + e.to(tl.int64) * (H * IG) + rows[:, None] * IG + tl.arange(0, G)[None, :]
-        if TILE:
-            sc_ptr += _unaligned_zero(e)
-        for j in tl.static_range(STEPS):
-            ws = ws + (tl.load(w_ptr + j * BKW),)
-            ss = ss + (tl.load(sc_ptr + j * G),)
-    if SHARED:
-        shw, shs = _fp8_rows_preload(shw_ptr, shs_ptr, nb * BN, I, BN, SH_BK)
-    if FENCE and not INTERPRET:
-        _issue_fence()
-    pdl_wait(PDL)
-    y = tl.zeros([BN], dtype=tl.float32)
-    for k in tl.static_range(K):
-        base = act_ptr + k * (I // 2 if ACT_PACKED else I)
-        acc = tl.zeros([BN, G], dtype=tl.float32)
-        for j in tl.static_range(STEPS):
-            acc += _group_dot(ws[k * STEPS + j], ss[k * STEPS + j], base, j * BKW + word, INTERPRET, PAIRED,
-                              ACT_PACKED, I // 8, TILE)
-        y += tl.sum(acc, axis=1)
-    yb = y.to(tl.bfloat16)
-    if SHARED:  # its act is stage 1's row K (mxfp4_moe's shared act row)
-        sh = _bf16_round(_fp8_rows_dot(shw, shs, sha_ptr, I, BN, SH_BK)[0])
-        yb = (yb.to(tl.float32) + sh).to(tl.bfloat16)
-    tl.store(y_ptr + rows, yb)
-    if NORM:
-        sv = (tl.load(res_ptr + rows).to(tl.float32) + yb.to(tl.float32)).to(tl.bfloat16)
-        tl.store(s_out_ptr + rows, sv)
-        sf = sv.to(tl.float32)
-        tl.store(ssq_ptr + nb, tl.sum(sf * sf, axis=0))
-
-
 @dataclass(frozen=True)
 class MoeConfig:
     bn1: int = 16  # gate rows per stage-1 word tile (plus as many up rows)
@@ -1036,9 +977,6 @@ class MoeConfig:
     maxnreg1: int = 0  # vec1: a register cap for ptxas (0: its choice), so that enough programs fit an SM
     vec2: bool = False  # stage 2 likewise in 16-byte loads, all of them before its PDL wait (packed only)
     tile_x: bool = True  # vec stages: activations and scale bytes loaded in the layout their products use
-    # one token, vec2: > 0 runs stage 2 as a program per block of rows2 output rows holding every slot
-    # (mxfp4_moe_stage2_rows_kernel: no partials, no arrival counter); 0 a program per (row block, slot)
-    rows2: int = 0
 
 
 # Best measured on the H200 at the Ling-3.0-flash shape (H=2560, I=768, K=8); see docs/benchmarks.md.
@@ -1320,7 +1258,7 @@ def mxfp4_moe_add_sumsq(
     assert residual.shape == (T, H) and residual.dtype == torch.bfloat16 and residual.is_contiguous()
     s_out = torch.empty_like(residual)
     cfg = kwargs.get("config") or moe_config(T, H, w13.shape[1] // 2)
-    ssq = torch.empty(T, H // _sumsq_block(cfg, T, H, kwargs), dtype=torch.float32, device=x.device)
+    ssq = torch.empty(T, H // _fit(cfg.bn2, H), dtype=torch.float32, device=x.device)
     norm = dict(res_ptr=residual, s_out_ptr=s_out, ssq_ptr=ssq, NORM=2)
     mxfp4_moe(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, swiglu_limit, _norm=norm, **kwargs)
     return s_out, ssq
@@ -1359,7 +1297,6 @@ class _Plan:
 
     vec1: bool = False
     vec2: bool = False
-    rows2: int = 0  # > 0: stage 2 may run as mxfp4_moe_stage2_rows_kernel on blocks of this many rows
 
     def stage1(self, x, ids, rw, w13_i32, s13, act, limit: float, shared: SharedExpert | None = None,
                x_plain: torch.Tensor | None = None) -> None:
@@ -1381,47 +1318,10 @@ class _Plan:
         if self.meta2.get("SHARED", 0):
             src = shared_gate_up if self.meta2["SH_GU"] else act[-1]
             extra.update(shw_ptr=shared.down, shs_ptr=shared.down_scale, sha_ptr=src, sh_limit=float(shared.limit))
-        if self.rows2 and add is None and not self.meta2["SH_GU"] and (norm is None or norm.get("NORM") == 2):
-            self._stage2_rows(act, ids, w2_i32, s2, out, shared, norm)
-            return
         act = act.view(torch.int32) if self.meta2["ACT_PACKED"] else act
         kernel = mxfp4_moe_stage2_vec_kernel if self.vec2 else mxfp4_moe_stage2_kernel
         kernel[self.grid2](act, ids, w2_i32, s2, part, count, out, out if add is None else add,
                            HAS_ADD=add is not None, **self.meta2, **extra, **pdl_args(act.device))
-
-
-    def _stage2_rows(self, act, ids, w2_i32, s2, out, shared: SharedExpert | None, norm: dict | None) -> None:
-        """Stage 2 as a program per block of rows2 rows holding every slot (one token; its conditions are
-        stage2's, and _sumsq_block sizes the sums of squares for it)."""
-        m, bn = self.meta2, self.rows2
-        extra = dict(res_ptr=norm["res_ptr"], s_out_ptr=norm["s_out_ptr"], ssq_ptr=norm["ssq_ptr"],
-                     NORM=True) if norm else {}
-        warps = max(1, bn * m["BKW"] // 128)  # a thread holds 4 words of a [bn, BKW] tile
-        if m["SHARED"]:
-            # a k step of one 16-byte vector a thread, sized as _plan sizes the per-slot kernel's shared
-            # programs' steps (at Ling's shape both 128 columns: the same sums, row by row)
-            sh_bk = _fit(min(256, max(16, _pow2(16 * 32 * warps // bn))), m["I"])
-            extra.update(shw_ptr=shared.down, shs_ptr=shared.down_scale, sha_ptr=act[-1], SHARED=True, SH_BK=sh_bk)
-        act = act.view(torch.int32) if m["ACT_PACKED"] else act
-        mxfp4_moe_stage2_rows_kernel[(m["H"] // bn,)](
-            act, ids, w2_i32, s2, out, K=m["K"], H=m["H"], I=m["I"], BN=bn, BKW=m["BKW"], INTERPRET=m["INTERPRET"],
-            PAIRED=m["PAIRED"], ACT_PACKED=m["ACT_PACKED"], TILE=m["TILE"], num_warps=warps, **extra,
-            **pdl_args(act.device))
-
-
-def _rows2(cfg: MoeConfig, T: int, H: int) -> int:
-    """Stage 2's row block when it may run as mxfp4_moe_stage2_rows_kernel (MoeConfig.rows2: one token,
-    16-byte loads), else 0."""
-    return _fit(cfg.rows2, H) if cfg.rows2 and T == 1 and cfg.vec2 and cfg.packed else 0
-
-
-def _sumsq_block(cfg: MoeConfig, T: int, H: int, kwargs: dict) -> int:
-    """The rows a stage-2 sum of squares covers (mxfp4_moe_add_sumsq): the rows kernel's block where
-    _Plan.stage2 runs it (no `add`, no shared gate|up output from a side stream), else bn2."""
-    rows = _rows2(cfg, T, H)
-    if rows and kwargs.get("add") is None and kwargs.get("shared_gate_up") is None:
-        return rows
-    return _fit(cfg.bn2, H)
 
 
 def _plan(T: int, K: int, H: int, inter: int, cfg: MoeConfig, paired: bool = False, x_packed: bool = False,
@@ -1481,7 +1381,7 @@ def _plan(T: int, K: int, H: int, inter: int, cfg: MoeConfig, paired: bool = Fal
             meta2.setdefault("maxnreg", _WINDOW_STAGE2_MAXNREG)  # 128 (sm_90), halving how many fit an SM
     return _Plan(grid1=(T * K + extra1, inter // (bn1 if vec1 else bn1 * rs1)),
                  grid2=(H // (bn2 * rs2), T * K + extra2),
-                 meta1=meta1, meta2=meta2, vec1=vec1, vec2=vec2, rows2=_rows2(cfg, T, H))
+                 meta1=meta1, meta2=meta2, vec1=vec1, vec2=vec2)
 
 
 @triton.jit
