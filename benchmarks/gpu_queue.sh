@@ -213,14 +213,15 @@ tests() {
     done 2>&1 | tee "$OUT/engine.txt"
 }
 
-# The 16-byte MoE stages' block shapes and the one-token KDA launch, timed inside the graphed step;
-# then the MoE alone.
+# The 16-byte MoE stages' block shapes timed inside the graphed step (never run on a GPU before session
+# 33), then the kernels alone against the issue's bandwidth targets: the MoE at one and four tokens, the
+# FP8 GEMVs (the fused KDA projection, the head).
 configs() {
-    timeout 400 python3 benchmarks/profile_step.py --rounds 2 \
+    timeout 300 python3 benchmarks/profile_step.py --rounds 2 \
         --switch "SPARKCHAT_MOE_CONFIG=T1.bkw1:32,T1.bn1:8/T1.warps1:4,T1.maxnreg1:0,T4.bn1:8/T4.warps1:4,T4.bn2:16/T4.warps2:2" \
-        --switch SPARKCHAT_KDA_LAUNCH1=8x2,2x4,4x2,2x8 --switch SPARKCHAT_MOE_TILE_X=1 \
         2>&1 | tee "$OUT/configs.txt"
-    timeout 150 python3 benchmarks/bench_kernels.py --only moe 2>&1 | tee "$OUT/moe.txt"
+    timeout 120 python3 benchmarks/bench_kernels.py --only moe --json "$OUT/moe.json" 2>&1 | tail -12 | tee "$OUT/moe.txt"
+    timeout 150 python3 benchmarks/bench_kernels.py --only fp8 --json "$OUT/fp8.json" 2>&1 | tail -40 | tee "$OUT/fp8.txt"
 }
 
 bench() {
