@@ -156,9 +156,9 @@ verify4() {
 
 # SPARKCHAT_SHARED_NO_WAIT=1 (session 33, off until timed): stage 1's shared-expert programs end without
 # the PDL wait, freeing their SM slots while the top-k runs, so the routed programs that did not fit (480
-# programs, 396 resident on an H200) start at the wait rather than after it. Its GPU kernel tests and the
-# graphed step 4 rounds against off (its logits against off's), its GPU kernel tests and the GPU engine
-# tests with it on, the step's timeline with it on.
+# programs, 396 resident on an H200) start at the wait rather than after it. The graphed step 4 rounds
+# against off (its logits against off's), its GPU kernel tests and the GPU engine tests with it on, the
+# step's timeline with it on.
 nowait() {
     timeout 200 python3 benchmarks/profile_step.py --rounds 4 --switch SPARKCHAT_SHARED_NO_WAIT=1 \
         2>&1 | tee "$OUT/ab-nowait.txt"
