@@ -2,7 +2,7 @@
 # The GPU runs waiting for a development GPU, as named batches, so a lent machine starts on them at once.
 #
 #   bash benchmarks/gpu_queue.sh wheels        # here (with package registries): the wheels the GPU box lacks
-#   bash benchmarks/gpu_queue.sh quick|qbench|gemvs|verify|pipeline|sampled|handoff|decode|tails|verify4|nowait|race|first|ab|tests|configs|bench|load   # on the GPU box, logs under $OUT (default ./gpu-out)
+#   bash benchmarks/gpu_queue.sh quick|qbench|gemvs|verify|pipeline|sampled|handoff|decode|tails|verify4|race|first|ab|tests|configs|bench|load   # on the GPU box, logs under $OUT (default ./gpu-out)
 #
 # The GPU box has torch, triton and transformers, but not this project's other dependencies, nor the
 # transformers the tiny test models need (5.24), and it cannot fetch: `wheels` downloads them into .whl2/
@@ -154,23 +154,6 @@ verify4() {
         --switch SPARKCHAT_MLA_COMBINE=2,1 2>&1 | tee "$OUT/ab-verify4.txt"
 }
 
-# SPARKCHAT_SHARED_NO_WAIT=1 (session 33, off until timed): stage 1's shared-expert programs end without
-# the PDL wait, freeing their SM slots while the top-k runs, so the routed programs that did not fit (480
-# programs, 396 resident on an H200) start at the wait rather than after it. The graphed step 4 rounds
-# against off (its logits against off's), its GPU kernel tests and the GPU engine tests with it on, the
-# step's timeline with it on.
-nowait() {
-    timeout 200 python3 benchmarks/profile_step.py --rounds 4 --switch SPARKCHAT_SHARED_NO_WAIT=1 \
-        2>&1 | tee "$OUT/ab-nowait.txt"
-    SPARKCHAT_SHARED_NO_WAIT=1 timeout 120 python3 -m pytest -q tests/test_kernels.py \
-        -k "shared_expert_in_the_stages_gpu or finishing_the_moe_norm_gpu" 2>&1 | tail -3 | tee "$OUT/kernel-tests.txt"
-    tiny_models || return 1
-    SPARKCHAT_SHARED_NO_WAIT=1 timeout 150 python3 -m pytest -q -x tests/test_gpu_engine.py \
-        -k "fast_path_matches or lossless" 2>&1 | tail -3 | tee "$OUT/engine.txt"
-    SPARKCHAT_SHARED_NO_WAIT=1 timeout 100 python3 benchmarks/profile_step.py --timeline 2>&1 \
-        | grep -A16 "^kernels per\|^exposed" | tee "$OUT/timeline-step-nowait.txt"
-}
-
 # `sparkchat bench` with the defaults (the headline row and the Spark projection) and the GPU engine
 # tests (greedy tokens as the CPU reference's, the MTP loop lossless).
 qbench() {
@@ -255,6 +238,6 @@ load() {  # the checkpoint reader to the GPU: mmap vs plain reads, and the page 
 
 case "${1:-}" in
     wheels) wheels ;;
-    quick|qbench|gemvs|verify|pipeline|sampled|handoff|decode|tails|verify4|nowait|race|first|ab|tests|configs|bench|load) install_wheels; "$1" ;;
-    *) echo "usage: $0 wheels|quick|qbench|gemvs|verify|pipeline|sampled|handoff|decode|tails|verify4|nowait|race|first|ab|tests|configs|bench|load" >&2; exit 2 ;;
+    quick|qbench|gemvs|verify|pipeline|sampled|handoff|decode|tails|verify4|race|first|ab|tests|configs|bench|load) install_wheels; "$1" ;;
+    *) echo "usage: $0 wheels|quick|qbench|gemvs|verify|pipeline|sampled|handoff|decode|tails|verify4|race|first|ab|tests|configs|bench|load" >&2; exit 2 ;;
 esac

@@ -338,21 +338,3 @@ def test_mla_merge_and_unfold_of_a_window_in_one_trip_to_memory():
         runs[mode] = s.load_trips_after(s.disassemble(k, "mla_combine_unfold_kernel"), 0)
         assert s.stack_frame(k, "mla_combine_unfold_kernel") == 0, mode
     assert runs == {0: 4, 1: 1, 2: 1}, runs
-
-
-def test_shared_programs_end_without_the_wait_only_when_asked(monkeypatch):
-    """SPARKCHAT_SHARED_NO_WAIT=1: stage 1's shared-expert programs (SPARKCHAT_MOE_SHARED=2) compile
-    without their griddepcontrol.wait and launch_dependents, the routed programs keep theirs; unset, both
-    branches wait."""
-    from sparkchat.engine.kernels import mxfp4_moe as m
-
-    s = _tools()
-    vec = m.moe_config(1, s.H, s.INTER)
-    counts = {}
-    for env in ("0", "1"):
-        monkeypatch.setenv("SPARKCHAT_SHARED_NO_WAIT", env)
-        kernel, _, _ = s._moe_stage(vec, 1, 90, shared=2)
-        ptx = kernel.asm["ptx"]
-        counts[env] = (ptx.count("griddepcontrol.wait"), ptx.count("griddepcontrol.launch_dependents"))
-    assert counts["0"][0] == counts["0"][1] >= 2, counts
-    assert counts["1"] == (counts["0"][0] - 1, counts["0"][1] - 1), counts

@@ -431,7 +431,7 @@ def mxfp4_moe_stage1_kernel(
     PAIRED: tl.constexpr = False, ACT_PACKED: tl.constexpr = False, X_PACKED: tl.constexpr = False,
     PRELOAD: tl.constexpr = False,
     xs_ptr=None, shw_ptr=None, shs_ptr=None, sha_ptr=None, sh_limit=0.0,
-    SHARED: tl.constexpr = 0, SH_UP: tl.constexpr = 0, SH_BK: tl.constexpr = 0, SH_WAIT: tl.constexpr = True,
+    SHARED: tl.constexpr = 0, SH_UP: tl.constexpr = 0, SH_BK: tl.constexpr = 0,
 ):
     """ACT_PACKED: act_ptr is bf16, written as _store_packed lays it out for stage 2 (PACKED only).
     X_PACKED (PACKED only): x_ptr is int32 [T, H/2], x already as the bf16x2 words _pack_x builds, in
@@ -445,7 +445,7 @@ def mxfp4_moe_stage1_kernel(
         if s >= T * K:
             BSH: tl.constexpr = RS * BN // SHARED
             _shared_gate_up(xs_ptr, shw_ptr, shs_ptr, sha_ptr, sh_limit, nb * (RS * BN) + (s - T * K) * BSH, H,
-                            SH_UP, BSH, SH_BK, PDL and SH_WAIT, not INTERPRET)
+                            SH_UP, BSH, SH_BK, PDL, not INTERPRET)
         else:
             _stage1_routed(x_ptr, ids_ptr, rw_ptr, w13_ptr, s13_ptr, act_ptr, limit, s, nb, T, K, H, I, BN, RS, BKW,
                            UNROLL, NT, K_PAD, S_PAD, DEDUPE, PREFETCH, PACKED, INTERPRET, PDL, PAIRED, ACT_PACKED,
@@ -822,7 +822,6 @@ def mxfp4_moe_stage1_vec_kernel(
     ACT_PACKED: tl.constexpr = False, X_PACKED: tl.constexpr = False, FENCE: tl.constexpr = True,
     xs_ptr=None, shw_ptr=None, shs_ptr=None, sha_ptr=None, sh_limit=0.0,
     SHARED: tl.constexpr = 0, SH_UP: tl.constexpr = 0, SH_BK: tl.constexpr = 0, TILE: tl.constexpr = True,
-    SH_WAIT: tl.constexpr = True,
 ):
     """Stage 1 for one token per program (slot s, block nb of BN gate rows and the matching up rows), its
     weights in 16-byte loads: a thread holds whole MX groups (4 consecutive words, one scale byte), so a
@@ -831,8 +830,7 @@ def mxfp4_moe_stage1_vec_kernel(
     from sinking them next to their multiplies (_issue_fence) — then multiplied, products in bf16x2 as
     _WORD_DOT_ASM, each group's sum scaled once: the packed stage 1's products, summed in another order.
     MoeConfig.maxnreg1 caps the registers that holding every load takes, so that the programs of one
-    token (384 of 8 warps at Ling's shape) fit the GPU at once. SHARED: as mxfp4_moe_stage1_kernel's.
-    SH_WAIT False: the shared expert's programs end without the PDL wait (shared_programs_wait)."""
+    token (384 of 8 warps at Ling's shape) fit the GPU at once. SHARED: as mxfp4_moe_stage1_kernel's."""
     s = tl.program_id(0)  # slot t*K + k: token s // K
     nb = tl.program_id(1)
     if SHARED > 0:
@@ -840,7 +838,7 @@ def mxfp4_moe_stage1_vec_kernel(
         if s >= K:  # one token
             BSH: tl.constexpr = BN // SHARED
             _shared_gate_up(xs_ptr, shw_ptr, shs_ptr, sha_ptr, sh_limit, nb * BN + (s - K) * BSH, H, SH_UP, BSH,
-                            SH_BK, PDL and SH_WAIT, FENCE and not INTERPRET)
+                            SH_BK, PDL, FENCE and not INTERPRET)
         else:
             _stage1_vec_routed(x_ptr, ids_ptr, rw_ptr, w13_ptr, s13_ptr, act_ptr, limit, s, nb, K, H, I, BN, BKW,
                                INTERPRET, PDL, PAIRED, ACT_PACKED, X_PACKED, FENCE, TILE)
@@ -1266,16 +1264,6 @@ def mxfp4_moe_add_sumsq(
     return s_out, ssq
 
 
-def shared_programs_wait() -> bool:
-    """Whether stage 1's shared-expert programs, whose work reads nothing the top-k writes, take the PDL
-    wait before they end. SPARKCHAT_SHARED_NO_WAIT=1 (off until timed): they end without it — an exit
-    counts as their signal to the next kernel, and the routed programs of the launch still wait before
-    signalling, so stage 2 starts as late as before — and free their SM slots while the top-k runs:
-    with them the launch is larger than fits the GPU at once (480 programs of 8 warps at Ling's shape,
-    396 resident on an H200), and the routed programs that did not fit start then, not after the wait."""
-    return os.environ.get("SPARKCHAT_SHARED_NO_WAIT", "0") != "1"
-
-
 def shared_fusable(shared: SharedExpert, T: int, H: int, inter: int, config: MoeConfig | None = None,
                    stage1: bool = True) -> bool:
     """True when mxfp4_moe can run `shared` inside its stages for T tokens of these shapes: a shared
@@ -1376,7 +1364,7 @@ def _plan(T: int, K: int, H: int, inter: int, cfg: MoeConfig, paired: bool = Fal
         assert split is not None, "the stages' row blocks do not divide between shared-expert programs"
         extra1, extra2 = split
         if shared_stage1:
-            meta1.update(SHARED=extra1, SH_UP=shared_up, SH_BK=_fit(512, H), SH_WAIT=shared_programs_wait())
+            meta1.update(SHARED=extra1, SH_UP=shared_up, SH_BK=_fit(512, H))
             # the shared branch alone would take 118 registers (sm_90) where the routed one takes 78: capped,
             # the routed programs keep 3 of 8 warps an SM (the shared branch spills a little instead)
             meta1.setdefault("maxnreg", _SHARED_STAGE1_MAXNREG)

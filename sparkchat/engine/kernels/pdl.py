@@ -10,10 +10,7 @@ The rules every PDL kernel here keeps:
 - before `pdl_wait`, read only constant data (weights, scales) or data written at least two kernels
   back (see below), and write nothing the kernel before may still read or write (the MoE's stage 1
   makes the shared expert's act from the MoE input before its wait: only stage 2 reads it, after its own);
-- call `pdl_wait` on every path through the kernel, before touching activations or outputs — except
-  programs that read nothing the kernel before writes (the MoE stage 1's shared-expert programs with
-  SPARKCHAT_SHARED_NO_WAIT=1): they may end without it, since ending counts as their signal and the
-  launch's other programs still wait before signalling;
+- call `pdl_wait` on every path through the kernel, before touching activations or outputs;
 - signal the next kernel only after waiting (`pdl_wait` does both). So when a kernel starts, its
   predecessor has passed its own wait, i.e. everything before the predecessor has finished: reading
   what the kernel two back wrote (the router's expert ids in the MoE's second stage) is safe pre-wait.
