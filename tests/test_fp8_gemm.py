@@ -6,7 +6,9 @@ Oracles, as ||out - ref|| / ||ref|| over the whole output:
     quant.dequant_fp8_block does (the copy the prompt path made before), fp32 products and sums, one
     rounding to bf16: 1e-5 under the interpreter, 2e-4 on a GPU (the fp32 sums' order differs, and
     now and then that flips an output's bf16 rounding: ~1e-3 of them; a wrong scale or a lost k step
-    is off by 1e-1 and more);
+    is off by 1e-1 and more). Under the interpreter too a flip happens on some inputs (one in 300
+    random ones at the `out=` case's shape flipped a large output: 7.5e-5), so that case, on those
+    inputs, is held to one ulp an element and the GPU's bound;
   - fp8_dequant (the long prompts' one-pass copy) equals quant.dequant_fp8_block bit for bit;
   - F.linear on that bf16 copy (what Linear.forward ran for prompts before; bf16 matmul): 1e-2.
 """
@@ -34,6 +36,11 @@ def emulate(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+
+
+def within_an_ulp(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Every element of bf16 a within one bf16 ulp of b's (a flipped rounding, nothing more)."""
+    return bool(((a.float() - b.float()).abs() <= b.float().abs() * 2.0 ** -7).all())
 
 
 def make_weights(N: int, K: int, scale_fmt: str, device="cpu", seed: int = 0):
@@ -64,7 +71,7 @@ def test_configs_fit_the_sparks_shared_memory(monkeypatch):
 _INTERPRETER = r"""
 import torch
 from sparkchat.engine.kernels.fp8_gemm import GemmConfig, fp8_block_gemm
-from tests.test_fp8_gemm import emulate, make_weights, rel
+from tests.test_fp8_gemm import emulate, make_weights, rel, within_an_ulp
 
 cases = [  # (M, N, K, scale format, config): ragged N and K, both operand orders, grouped tiles
     (20, 192, 256, "ue8m0", GemmConfig(bm=16, bn=64, bk=64, warps=4, stages=1, group=2)),
@@ -82,9 +89,11 @@ for i, (M, N, K, fmt, cfg) in enumerate(cases):
     assert rel(y, torch.nn.functional.linear(x, wb)) < 1e-2
 out = torch.full((24, 192), 7.0, dtype=torch.bfloat16)
 w, s = make_weights(192, 256, "ue8m0")
-x = torch.randn(24, 256).bfloat16()
+x = torch.randn(24, 256, generator=torch.Generator().manual_seed(69)).bfloat16()
 assert fp8_block_gemm(x, w, s, out=out, config=GemmConfig(bm=16, bn=64, bk=64, warps=4, stages=1)) is out
-assert rel(out, emulate(x, w, s)) < 1e-5
+# these inputs flip one large output's bf16 rounding against the emulation's (7.5e-5 of the norm): within
+# an ulp everywhere, every output written
+assert within_an_ulp(out, emulate(x, w, s)) and rel(out, emulate(x, w, s)) < 2e-4
 from sparkchat.engine.kernels.fp8_gemm import GEMM_MAX_TOKENS, fp8_dequant, fp8_prompt_linear
 from sparkchat.engine.quant import dequant_fp8_block
 for N, K, fmt in ((200, 384, "float32"), (130, 160, "ue8m0"), (300, 520, "float32")):
