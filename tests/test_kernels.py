@@ -255,18 +255,6 @@ def test_mxfp4_moe_vectorized_stages_gpu(T, vec2):
         assert rel_err(got, row) < 1e-5
 
 
-def _ling_experts_and_shared(gen: torch.Generator):
-    """40 routed MXFP4 experts at the Ling shape (checkpoint words, and paired as the engine reads them) and
-    a shared expert of the same width on the GPU: (w13, s13, w2, s2, paired w13, paired w2, SharedExpert)."""
-    from sparkchat.engine.kernels.mxfp4_layout import permute_words_
-    from sparkchat.engine.kernels.mxfp4_moe import SharedExpert
-    w13, s13, w2, s2 = make_experts(40, 2560, 768, "cuda", gen)
-    a13, a2 = permute_words_(w13.clone()), permute_words_(w2.clone())
-    gu_w, gu_s = make_fp8(1536, 2560, "cuda", gen)
-    dn_w, dn_s = make_fp8(2560, 768, "cuda", gen)
-    return w13, s13, w2, s2, a13, a2, SharedExpert(gu_w, gu_s, 768, dn_w, dn_s, 7.0)
-
-
 @gpu
 @pytest.mark.parametrize("T,vec", [(1, False), (1, True), (4, False)])
 def test_mxfp4_moe_shared_expert_in_the_stages_gpu(T, vec):
@@ -276,10 +264,14 @@ def test_mxfp4_moe_shared_expert_in_the_stages_gpu(T, vec):
     from dataclasses import replace
 
     from sparkchat.engine.kernels.fp8_gemv import fp8_block_gemv, fp8_block_gemv_swiglu
-    from sparkchat.engine.kernels.mxfp4_moe import _VEC1, moe_config, mxfp4_moe, pack_moe_x
+    from sparkchat.engine.kernels.mxfp4_layout import permute_words_
+    from sparkchat.engine.kernels.mxfp4_moe import SharedExpert, _VEC1, moe_config, mxfp4_moe, pack_moe_x
     gen = torch.Generator().manual_seed(13)
-    w13, s13, w2, s2, a13, a2, sh = _ling_experts_and_shared(gen)
-    gu_w, gu_s, dn_w, dn_s = sh.gate_up, sh.gate_up_scale, sh.down, sh.down_scale
+    w13, s13, w2, s2 = make_experts(40, 2560, 768, "cuda", gen)
+    a13, a2 = permute_words_(w13.clone()), permute_words_(w2.clone())
+    gu_w, gu_s = make_fp8(1536, 2560, "cuda", gen)
+    dn_w, dn_s = make_fp8(2560, 768, "cuda", gen)
+    sh = SharedExpert(gu_w, gu_s, 768, dn_w, dn_s, 7.0)
     cfg = moe_config(T, 2560, 768, vec=0)
     if vec:
         cfg = replace(cfg, vec1=True, vec2=True, **_VEC1[(T, 2560, 768)])
