@@ -2,7 +2,7 @@
 # The GPU runs waiting for a development GPU, as named batches, so a lent machine starts on them at once.
 #
 #   bash benchmarks/gpu_queue.sh wheels        # here (with package registries): the wheels the GPU box lacks
-#   bash benchmarks/gpu_queue.sh quick|qbench|gemvs|verify|pipeline|sampled|handoff|decode|tails|verify4|race|first|ab|tests|configs|bench|load   # on the GPU box, logs under $OUT (default ./gpu-out)
+#   bash benchmarks/gpu_queue.sh quick|qbench|gemvs|verify|pipeline|sampled|handoff|decode|tails|verify4|race|first|ab|tests|configs|l2|l2check|l2pace|bench|load   # on the GPU box, logs under $OUT (default ./gpu-out)
 #
 # The GPU box has torch, triton and transformers, but not this project's other dependencies, nor the
 # transformers the tiny test models need (5.24), and it cannot fetch: `wheels` downloads them into .whl2/
@@ -224,6 +224,38 @@ configs() {
     timeout 150 python3 benchmarks/bench_kernels.py --only fp8 --json "$OUT/fp8.json" 2>&1 | tail -40 | tee "$OUT/fp8.txt"
 }
 
+# The L2 prefetch from a one-token MoE layer's top-k launch (SPARKCHAT_L2_PREFETCH_MB, opt-in, session 34):
+# the probe (a prefetch made while HBM idles outlasts a MoE layer's streaming and shortens the next
+# projection), the router's tests on the GPU, then (l2pace) the graphed step against off, and (l2check)
+# the tiny models' greedy tokens with it on.
+l2() {
+    timeout 90 python3 benchmarks/l2_prefetch_probe.py --json "$OUT/l2-probe.json" 2>&1 | grep -v Warn \
+        | tee "$OUT/l2-probe.txt"
+    timeout 80 python3 -m pytest -q tests/test_router_kernel.py 2>&1 | tail -2 | tee "$OUT/l2-router-tests.txt"
+}
+
+l2check() {
+    tiny_models || return 1
+    SPARKCHAT_L2_PREFETCH_MB=8 SPARKCHAT_L2_PREFETCH_PACE=800 SPARKCHAT_L2_PREFETCH_AFTER=0 timeout 200 \
+        python3 -m pytest -q -x tests/test_gpu_engine.py -k "fast_path_matches or lossless" 2>&1 | tail -4 \
+        | tee "$OUT/l2-engine.txt"
+}
+
+# The paced prefetch (SPARKCHAT_L2_PREFETCH_PACE: clock cycles between a program's rounds of 32 lines),
+# issued as the top-k launches (SPARKCHAT_L2_PREFETCH_AFTER=0, the default): 8 MB at 650 / 800 cycles,
+# 10 and 12 MB at 800 (the H200 streams more in the same idle stretch), each against off; then the
+# timeline at 8 MB / 800.
+l2pace() {
+    export SPARKCHAT_L2_PREFETCH_AFTER=0
+    timeout 330 python3 benchmarks/profile_step.py --rounds 3 \
+        --switch SPARKCHAT_L2_PREFETCH_MB=8+SPARKCHAT_L2_PREFETCH_PACE=650 \
+        --switch SPARKCHAT_L2_PREFETCH_MB=8+SPARKCHAT_L2_PREFETCH_PACE=800 \
+        --switch SPARKCHAT_L2_PREFETCH_MB=10+SPARKCHAT_L2_PREFETCH_PACE=800 \
+        --switch SPARKCHAT_L2_PREFETCH_MB=12+SPARKCHAT_L2_PREFETCH_PACE=800 2>&1 | tee "$OUT/ab-l2-pace.txt"
+    SPARKCHAT_L2_PREFETCH_MB=8 SPARKCHAT_L2_PREFETCH_PACE=800 timeout 100 python3 benchmarks/profile_step.py \
+        --timeline 2>&1 | tee "$OUT/timeline-l2-pace.txt"
+}
+
 bench() {
     timeout 300 python3 -m sparkchat bench --context 1024 --iters 20 2>&1 | tee "$OUT/bench.txt"
     timeout 120 python3 benchmarks/profile_step.py --timeline 2>&1 | tee "$OUT/timeline.txt"
@@ -238,6 +270,6 @@ load() {  # the checkpoint reader to the GPU: mmap vs plain reads, and the page 
 
 case "${1:-}" in
     wheels) wheels ;;
-    quick|qbench|gemvs|verify|pipeline|sampled|handoff|decode|tails|verify4|race|first|ab|tests|configs|bench|load) install_wheels; "$1" ;;
-    *) echo "usage: $0 wheels|quick|qbench|gemvs|verify|pipeline|sampled|handoff|decode|tails|verify4|race|first|ab|tests|configs|bench|load" >&2; exit 2 ;;
+    quick|qbench|gemvs|verify|pipeline|sampled|handoff|decode|tails|verify4|race|first|ab|tests|configs|l2|l2check|l2pace|bench|load) install_wheels; "$1" ;;
+    *) echo "usage: $0 wheels|quick|qbench|gemvs|verify|pipeline|sampled|handoff|decode|tails|verify4|race|first|ab|tests|configs|l2|l2check|l2pace|bench|load" >&2; exit 2 ;;
 esac

@@ -123,3 +123,59 @@ print("ok")
 def test_router_kernel_lane_best_ties():
     """Exact ids where only the tie rule decides: the per-lane bests must hand over the lowest index."""
     run_script(LANE_TIES_SCRIPT)
+
+
+PREFETCH_SCRIPT = """
+import torch
+from sparkchat.engine.kernels.router import route
+dev = "cuda" if torch.cuda.is_available() else "cpu"
+torch.manual_seed(3)
+E, G, TG, K, H = 512, 8, 4, 8, 2560
+W = (torch.randn(E, H, device=dev) / 50).bfloat16()
+b = torch.randn(E, device=dev) * 0.01
+ahead = torch.randint(0, 256, (5_000_061,), device=dev, dtype=torch.uint8)  # not a whole number of lines
+kept = ahead.clone()
+for _ in range(3):
+    x = torch.randn(1, H, device=dev).bfloat16()
+    i1, w1 = route(x, W, b, G, TG, K, 2.5, True)
+    # with extra programs asking L2 for `ahead` (on a GPU; the interpreter ignores it): the same routing
+    i2, w2 = route(x, W, b, G, TG, K, 2.5, True, l2_prefetch=ahead)
+    i3, w3 = route(x, W, b, G, TG, K, 2.5, True, l2_prefetch=ahead[:100])  # less than a line: nothing to ask
+    assert torch.equal(i1, i2) and torch.equal(w1, w2) and torch.equal(i1, i3) and torch.equal(w1, w3)
+assert torch.equal(ahead, kept)  # a prefetch writes nothing
+print("ok")
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed (CPU-only CI)")
+def test_router_kernel_with_l2_prefetch_routes_the_same():
+    """route's l2_prefetch (the next layer's first weight bytes asked of L2 by extra programs of the
+    launch): the same experts and weights, bit for bit, and the prefetched bytes untouched."""
+    run_script(PREFETCH_SCRIPT)
+
+
+def test_router_hands_its_prefetch_to_one_token_routes_only(monkeypatch):
+    """Router.forward passes the GPU path's l2_prefetch bytes to the kernel route for one token (a decode
+    step), never for a window, and not when the bytes are off (None)."""
+    from sparkchat.engine.nn import moe
+    from sparkchat.engine.nn.ops import ops
+
+    calls = []
+
+    def recording_route(*args, **kwargs):
+        calls.append(kwargs.get("l2_prefetch"))
+        return moe.route(*args)
+
+    monkeypatch.setattr(ops, "route", recording_route)
+    router = moe.Router(64, 16, 4, 4, 2, 2.5, True)
+    ahead = torch.zeros(256, dtype=torch.uint8)
+    wanted = [ahead]
+    router.l2_prefetch = lambda: wanted[0]
+    x1, x3 = torch.randn(1, 64), torch.randn(3, 64)
+    ids, w = router(x1)
+    assert calls[-1] is ahead and ids.shape == (1, 4)
+    router(x3)
+    assert calls[-1] is None  # a verify window: its MoE stages stream too much for the lines to last
+    wanted[0] = None  # SPARKCHAT_L2_PREFETCH_MB=0
+    router(x1)
+    assert calls[-1] is None and len(calls) == 3

@@ -15,6 +15,9 @@ Latency-bound (one warp, one token: a chain of dependent steps), so each step is
 - the weights are the picked experts' scores recomputed from their reloaded logits after the picks
   (L1 hits): carrying each pick's score (a third reduction per pick) or reloading it per pick came out
   longer in the SASS (more instructions, ptxas serializing the picks' compares).
+With `l2_prefetch` (SPARKCHAT_L2_PREFETCH_MB, opt-in) the launch also has one-warp programs ask L2 for
+the last bytes of the next layer's first weight, paced, while HBM idles behind the router's chain: the
+H100's graphed step 2.44 -> 2.42 ms at 8 MB (docs/benchmarks.md session 34).
 Handing part of this work, or all of it, to the GEMV's last programs (an arrival counter, the partials
 read back from L2) cut the kernel's instructions but not the step: the H200's graphed step 2.081 ->
 2.108 ms with the scores made there, 2.082 -> 2.096-2.103 with the whole top-k there (docs/benchmarks.md
@@ -23,6 +26,8 @@ the GEMV writing it had finished (mxfp4_moe._shared_gate_up: two kernels back at
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -48,12 +53,60 @@ def _ordered(x):
 
 
 @triton.jit
+def _clock():
+    return tl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+
+
+@triton.jit
+def _prefetch_l2(ptr, first, n_lines, LINES: tl.constexpr, PACE: tl.constexpr = 0):
+    """Ask L2 for LINES 128-byte lines of ptr from line `first` (the last of n_lines repeated past the end),
+    kept ahead of ordinary lines (evict_last). Nothing comes back to the SM. PACE > 0: a line a lane at a
+    time, PACE clock cycles apart, so that the memory system never holds many of them at once (a burst
+    of them delays every load queued behind it); else all at once, and the program ends."""
+    if PACE > 0:
+        t0 = _clock()
+        for r in tl.static_range(LINES // 32):
+            line = first + r * 32 + tl.arange(0, 32)
+            ptrs = ptr + tl.minimum(line, n_lines - 1).to(tl.int64) * 128
+            tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1];\n mov.u32 $0, 0;", "=r,l", [ptrs],
+                                      dtype=tl.int32, is_pure=False, pack=1)
+            t = _clock()
+            while t - t0 < (r + 1) * PACE:
+                t = _clock()
+    else:
+        line = first + tl.arange(0, LINES)
+        ptrs = ptr + tl.minimum(line, n_lines - 1).to(tl.int64) * 128
+        tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1];\n mov.u32 $0, 0;", "=r,l", [ptrs],
+                                  dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def route_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, scaling,
                  E: tl.constexpr, G: tl.constexpr, TG: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
-                 RENORM: tl.constexpr, T: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr = False):
+                 RENORM: tl.constexpr, T: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr = False,
+                 pf_ptr=None, pf_lines=0, PF_LINES: tl.constexpr = 0, PF_AFTER: tl.constexpr = False,
+                 PF_PACE: tl.constexpr = 0):
     """Token program_id(0)'s experts and weights from the router GEMV's SPLIT partial logits [SPLIT, T, E],
-    added in order (bias_ptr: the expert bias)."""
+    added in order (bias_ptr: the expert bias). PF_LINES > 0: the programs after the T tokens' each ask
+    L2 for PF_LINES lines of pf_ptr (pf_lines in all) and end without waiting (route's `l2_prefetch`)."""
     t = tl.program_id(0)
+    if PF_LINES > 0:
+        if t >= T:
+            if PF_AFTER:  # not while the router's GEMV finishes: its reads would queue behind the lines
+                pdl_wait(PDL)
+            _prefetch_l2(pf_ptr, (t - T) * PF_LINES, pf_lines, PF_LINES, PF_PACE)
+        else:
+            _route_program(logits_ptr, bias_ptr, ids_ptr, w_ptr, scaling, t, E, G, TG, K, KP, RENORM, T, SPLIT,
+                           PDL)
+    else:
+        _route_program(logits_ptr, bias_ptr, ids_ptr, w_ptr, scaling, t, E, G, TG, K, KP, RENORM, T, SPLIT, PDL)
+
+
+@triton.jit
+def _route_program(logits_ptr, bias_ptr, ids_ptr, w_ptr, scaling, t, E: tl.constexpr, G: tl.constexpr,
+                   TG: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, RENORM: tl.constexpr, T: tl.constexpr,
+                   SPLIT: tl.constexpr, PDL: tl.constexpr):
+    """route_kernel's work for token t."""
     pdl_wait(PDL)
     GS: tl.constexpr = E // G
     # [E] as [R, L, V]: V consecutive experts per lane (the loads' 16-byte vectors), L lanes, R repeats,
@@ -109,12 +162,25 @@ def route_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, scaling,
 
 
 ROUTE_WARPS = 1  # one warp: each selection's reductions are a REDUX each, no shared-memory round trip
+PREFETCH_LINES = 256  # 128-byte lines a prefetching program asks for (32 KB; 8 a lane of its one warp)
+# clock cycles between a prefetching program's rounds of 32 lines (SPARKCHAT_L2_PREFETCH_PACE; 0: all at
+# once): 8 MB in 8 rounds of ~1 MB, done in ~3 µs, before the MoE's stage 1 streams. Best of 500-1200 on
+# the H100 (docs/benchmarks.md session 34); all at once, the router's and top-k's loads queued behind them
+PREFETCH_PACE = 800
+
+
+def _int_env(name: str, default: int) -> int:
+    value = os.environ.get(name, "")
+    return int(value) if value.isdigit() else default
 
 
 def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, groups: int, top_groups: int, top_k: int,
           scaling: float, renormalize: bool, *, num_warps: int | None = None,
-          gemv: GemvConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same signature and results as nn.moe.route: (ids [T, k] int64, weights [T, k] fp32)."""
+          gemv: GemvConfig | None = None, l2_prefetch: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same signature and results as nn.moe.route: (ids [T, k] int64, weights [T, k] fp32).
+    l2_prefetch (contiguous, on the GPU): bytes the next kernels will read — the next layer's input
+    projection's first rows — that the launch's extra programs ask L2 for while the router's GEMV and
+    this top-k leave HBM idle (ignored under the interpreter, which has no L2 to ask)."""
     T, E = x.shape[0], weight.shape[0]
     assert E % groups == 0 and (E & (E - 1)) == 0 and (groups & (groups - 1)) == 0, "power-of-two E and groups"
     assert weight.dtype in (torch.float32, torch.bfloat16) and bias.dtype == torch.float32 and bias.shape == (E,)
@@ -129,8 +195,17 @@ def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, groups: int
         logits = (x.float() @ weight.float().T).contiguous()[None]
     ids = torch.empty(T, top_k, dtype=torch.int64, device=x.device)
     w = torch.empty(T, top_k, dtype=torch.float32, device=x.device)
-    route_kernel[(T,)](logits, bias, ids, w, float(scaling), E=E, G=groups, TG=top_groups, K=top_k,
-                       KP=triton.next_power_of_2(top_k), RENORM=renormalize, T=T, SPLIT=logits.shape[0],
-                       num_warps=num_warps or ROUTE_WARPS, **pdl_args(x.device))
+    pf, programs = {}, 0
+    if l2_prefetch is not None and l2_prefetch.is_cuda and not interpreting() and l2_prefetch.numel():
+        assert l2_prefetch.is_contiguous()
+        lines = l2_prefetch.numel() * l2_prefetch.element_size() // 128
+        programs = triton.cdiv(lines, PREFETCH_LINES)
+        pf = dict(pf_ptr=l2_prefetch.view(torch.uint8), pf_lines=lines, PF_LINES=PREFETCH_LINES,
+                  PF_AFTER=os.environ.get("SPARKCHAT_L2_PREFETCH_AFTER", "0") == "1",
+                  PF_PACE=_int_env("SPARKCHAT_L2_PREFETCH_PACE", PREFETCH_PACE))
+    route_kernel[(T + programs,)](logits, bias, ids, w, float(scaling), E=E, G=groups, TG=top_groups, K=top_k,
+                                  KP=triton.next_power_of_2(top_k), RENORM=renormalize, T=T,
+                                  SPLIT=logits.shape[0], num_warps=num_warps or ROUTE_WARPS, **pf,
+                                  **pdl_args(x.device))
     return ids, w
 

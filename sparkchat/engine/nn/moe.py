@@ -7,6 +7,7 @@ scales). The reference forward dequantizes only the experts the tokens selected.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -60,9 +61,16 @@ class Router(nn.Module):
         self.expert_bias = nn.Parameter(torch.zeros(experts), requires_grad=False)  # fp32
         self.experts, self.top_k, self.groups, self.top_groups = experts, top_k, groups, top_groups
         self.scaling, self.renormalize = scaling, renormalize
+        # set by the GPU path: the bytes the layer after reads first, or None, for the router kernel to ask
+        # L2 for while it routes one token (kernels/router.py, route's l2_prefetch)
+        self.l2_prefetch: Callable[[], torch.Tensor | None] | None = None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [T, H] → (expert ids [T, k] int64, weights [T, k] fp32)."""
+        ahead = self.l2_prefetch() if self.l2_prefetch is not None and x.shape[0] == 1 else None
+        if ahead is not None:
+            return ops.route(x, self.weight, self.expert_bias, self.groups, self.top_groups, self.top_k,
+                             self.scaling, self.renormalize, l2_prefetch=ahead)
         return ops.route(x, self.weight, self.expert_bias, self.groups, self.top_groups, self.top_k,
                          self.scaling, self.renormalize)
 
