@@ -179,3 +179,18 @@ def test_router_hands_its_prefetch_to_one_token_routes_only(monkeypatch):
     wanted[0] = None  # SPARKCHAT_L2_PREFETCH_MB=0
     router(x1)
     assert calls[-1] is None and len(calls) == 3
+
+
+def test_l2_prefetch_size_defaults_to_sm90_only(monkeypatch):
+    """SPARKCHAT_L2_PREFETCH_MB sets the prefetch (MB; 0 or junk: off); unset, sm_90 GPUs (where it was
+    measured) prefetch 8 MB and every other device, the DGX Spark's sm_121 among them, none."""
+    from sparkchat.engine import fastpath
+
+    monkeypatch.delenv("SPARKCHAT_L2_PREFETCH_MB", raising=False)
+    assert fastpath.l2_prefetch_bytes(torch.device("cpu")) == 0 and fastpath.l2_prefetch_bytes() == 0
+    monkeypatch.setattr(fastpath, "_is_sm90", lambda device: device.type == "cuda" and device.index == 0)
+    assert fastpath.l2_prefetch_bytes(torch.device("cuda", 0)) == fastpath.DEFAULT_L2_PREFETCH == 8_000_000
+    assert fastpath.l2_prefetch_bytes(torch.device("cuda", 1)) == 0  # another architecture
+    for value, want in (("12", 12_000_000), ("0.5", 500_000), ("0", 0), ("junk", 0), ("-3", 0)):
+        monkeypatch.setenv("SPARKCHAT_L2_PREFETCH_MB", value)
+        assert fastpath.l2_prefetch_bytes(torch.device("cuda", 0)) == want, value

@@ -152,16 +152,29 @@ class ExpertsKernel:
         return mxfp4_moe(*args, **kwargs)
 
 
-def l2_prefetch_bytes() -> int:
-    """SPARKCHAT_L2_PREFETCH_MB (MB, default 0: off): how much of the next layer's first weight a one-token
-    MoE layer's top-k launch asks L2 for (Router.l2_prefetch). Read when a step is launched or captured.
-    Opt-in: 8 MB made the H100's graphed step 1% faster (2.440 -> 2.416 ms), but it is untimed on the H200
-    and on the Spark, whose L2 may not hold the lines through a MoE layer's streaming (then the bytes are
-    read twice); SPARKCHAT_L2_PREFETCH_PACE and SPARKCHAT_L2_PREFETCH_AFTER shape it (kernels/router.py)."""
+def l2_prefetch_bytes(device: torch.device | None = None) -> int:
+    """How much of the next layer's first weight a one-token MoE layer's top-k launch asks L2 for
+    (Router.l2_prefetch), read when a step is launched or captured: SPARKCHAT_L2_PREFETCH_MB (MB; 0 off),
+    by default 8 MB on sm_90 GPUs (the H100 and H200) and none elsewhere. On the H100 it made the graphed
+    step 1% faster in three runs (2.440 -> 2.416, 2.445 -> 2.417 ms; docs/benchmarks.md session 34); the
+    Spark (sm_121) stays off until measured: the lines would have to outlive ~30 MB of expert streaming
+    in its smaller L2, and if they do not, each prefetched byte is read twice on a bandwidth-bound
+    machine. SPARKCHAT_L2_PREFETCH_PACE and SPARKCHAT_L2_PREFETCH_AFTER shape it (kernels/router.py)."""
+    value = os.environ.get("SPARKCHAT_L2_PREFETCH_MB")
+    if value is None:
+        return DEFAULT_L2_PREFETCH if device is not None and _is_sm90(device) else 0
     try:
-        return max(0, int(float(os.environ.get("SPARKCHAT_L2_PREFETCH_MB", "0")) * 1e6))
+        return max(0, int(float(value) * 1e6))
     except ValueError:
         return 0
+
+
+DEFAULT_L2_PREFETCH = 8_000_000
+
+
+@functools.cache
+def _is_sm90(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
 
 
 def _weight_ahead(attention, head) -> torch.Tensor | None:
@@ -171,15 +184,15 @@ def _weight_ahead(attention, head) -> torch.Tensor | None:
     their rows before their PDL wait, while the MoE's stage 2 runs; its last ones, once stage 2's
     programs have left the SMs, are the ones the step waits for (asking for its first bytes instead made
     the H100's step 0.01-0.17 ms slower for 8-24 MB)."""
-    n = l2_prefetch_bytes()
-    if n < 128:
-        return None
     if attention is not None:
         fused = getattr(attention, "fused", None)
         weight = fused.weight if fused is not None else None
     else:
         weight = head.fp8_weight if head.use_fp8 else head.weight
     if weight is None or not weight.is_cuda or not weight.is_contiguous():
+        return None
+    n = l2_prefetch_bytes(weight.device)
+    if n < 128:
         return None
     flat = weight.view(-1).view(torch.uint8)
     return flat[max(0, flat.numel() - n):]

@@ -15,9 +15,9 @@ Latency-bound (one warp, one token: a chain of dependent steps), so each step is
 - the weights are the picked experts' scores recomputed from their reloaded logits after the picks
   (L1 hits): carrying each pick's score (a third reduction per pick) or reloading it per pick came out
   longer in the SASS (more instructions, ptxas serializing the picks' compares).
-With `l2_prefetch` (SPARKCHAT_L2_PREFETCH_MB, opt-in) the launch also has one-warp programs ask L2 for
-the last bytes of the next layer's first weight, paced, while HBM idles behind the router's chain: the
-H100's graphed step 2.44 -> 2.42 ms at 8 MB (docs/benchmarks.md session 34).
+With `l2_prefetch` (fastpath.l2_prefetch_bytes: 8 MB on sm_90 by default) the launch also has one-warp
+programs ask L2 for the last bytes of the next layer's first weight, paced, while HBM idles behind the
+router's chain: the H100's graphed step 2.44 -> 2.42 ms (docs/benchmarks.md session 34).
 Handing part of this work, or all of it, to the GEMV's last programs (an arrival counter, the partials
 read back from L2) cut the kernel's instructions but not the step: the H200's graphed step 2.081 ->
 2.108 ms with the scores made there, 2.082 -> 2.096-2.103 with the whole top-k there (docs/benchmarks.md
@@ -62,7 +62,8 @@ def _prefetch_l2(ptr, first, n_lines, LINES: tl.constexpr, PACE: tl.constexpr = 
     """Ask L2 for LINES 128-byte lines of ptr from line `first` (the last of n_lines repeated past the end),
     kept ahead of ordinary lines (evict_last). Nothing comes back to the SM. PACE > 0: a line a lane at a
     time, PACE clock cycles apart, so that the memory system never holds many of them at once (a burst
-    of them delays every load queued behind it); else all at once, and the program ends."""
+    of them delays every load queued behind it); else all at once, and the program ends. (Waiting 800 or
+    1600 cycles before the first round, so that the router GEMV's last loads go first, gained nothing.)"""
     if PACE > 0:
         t0 = _clock()
         for r in tl.static_range(LINES // 32):
