@@ -179,9 +179,9 @@ def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, groups: int
           scaling: float, renormalize: bool, *, num_warps: int | None = None,
           gemv: GemvConfig | None = None, l2_prefetch: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Same signature and results as nn.moe.route: (ids [T, k] int64, weights [T, k] fp32).
-    l2_prefetch (contiguous, on the GPU): bytes the next kernels will read — the next layer's input
-    projection's first rows — that the launch's extra programs ask L2 for while the router's GEMV and
-    this top-k leave HBM idle (ignored under the interpreter, which has no L2 to ask)."""
+    l2_prefetch (contiguous, on the GPU): bytes a later kernel will read — the last rows of the next
+    layer's input projection (fastpath._weight_ahead) — that the launch's extra programs ask L2 for while
+    the router's GEMV and this top-k leave HBM idle (ignored under the interpreter, which has no L2)."""
     T, E = x.shape[0], weight.shape[0]
     assert E % groups == 0 and (E & (E - 1)) == 0 and (groups & (groups - 1)) == 0, "power-of-two E and groups"
     assert weight.dtype in (torch.float32, torch.bfloat16) and bias.dtype == torch.float32 and bias.shape == (E,)

@@ -61,8 +61,8 @@ class Router(nn.Module):
         self.expert_bias = nn.Parameter(torch.zeros(experts), requires_grad=False)  # fp32
         self.experts, self.top_k, self.groups, self.top_groups = experts, top_k, groups, top_groups
         self.scaling, self.renormalize = scaling, renormalize
-        # set by the GPU path: the bytes the layer after reads first, or None, for the router kernel to ask
-        # L2 for while it routes one token (kernels/router.py, route's l2_prefetch)
+        # set by the GPU path: a callable giving bytes of the next layer's first weight (or None) for the
+        # router kernel to ask L2 for while it routes one token (kernels/router.py, route's l2_prefetch)
         self.l2_prefetch: Callable[[], torch.Tensor | None] | None = None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
