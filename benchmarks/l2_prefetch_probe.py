@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -31,7 +30,7 @@ import triton.language as tl
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_kernels import measure_read_bw  # noqa: E402
+from bench_kernels import graph_us, measure_read_bw  # noqa: E402
 
 from sparkchat.engine.kernels.fp8_gemv import fp8_block_gemv  # noqa: E402
 
@@ -99,25 +98,7 @@ def case_us(ws, scales, streams, x, outs, flag, sink, prefetch_mb: float, stream
         if gemv:
             fp8_block_gemv(x, ws[i], scales[i], out=outs[i])
 
-    for i in range(len(ws)):
-        layer(i)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(len(ws)):
-            layer(i)
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / len(ws))
-    del graph
-    return statistics.median(times)
+    return graph_us([lambda i=i: layer(i) for i in range(len(ws))], reps=reps)
 
 
 def main() -> None:
