@@ -148,7 +148,9 @@ def _moe_stage(cfg, stage: int, arch: int, shared: int = 0, sig_extra: dict | No
         sig, meta = dict(_STAGE2_SIG, act_ptr="*i32"), {**plan.meta2, "HAS_ADD": not shared}
         if shared:
             sig.update(_SHARED_SIG, sha_ptr="*bf16" if plan.meta2["SH_GU"] else "*fp32")
-    meta = {**meta, "PDL": True, "INTERPRET": False, **meta_extra}
+    # FENCE as launched (the vec kernels' default: True); left out, Triton would compile it as None
+    fence = {"FENCE": True} if "FENCE" in fn.arg_names else {}
+    meta = {**meta, "PDL": True, "INTERPRET": False, **fence, **meta_extra}
     warps, maxnreg = meta.pop("num_warps"), meta.pop("maxnreg", None)
     kernel = compile_kernel(fn, {**sig, **(sig_extra or {})}, meta, warps, arch, maxnreg=maxnreg)
     return kernel, disassemble(kernel, fn.__name__), fn.__name__
@@ -277,7 +279,8 @@ def router_sass(arch: int) -> list[str] | None:
     sig = {"logits_ptr": "*fp32", "bias_ptr": "*fp32", "ids_ptr": "*i64", "w_ptr": "*fp32", "scaling": "fp32"}
     cfg = g.gemv_config("plain", 1, E, H)
     split = g._split_for(H, min(cfg.bk, g._pow2(H)), cfg.split)
-    cx = dict(E=E, G=8, TG=4, K=K, KP=8, RENORM=True, T=1, SPLIT=split, PDL=True)
+    cx = dict(E=E, G=8, TG=4, K=K, KP=8, RENORM=True, T=1, SPLIT=split, PDL=True,
+              PF_LINES=0, PF_AFTER=False, PF_PACE=0)  # the routing program alone, as without l2_prefetch
     return compile_sass(r.route_kernel, sig, cx, r.ROUTE_WARPS, arch)
 
 
