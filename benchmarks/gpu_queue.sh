@@ -236,17 +236,16 @@ l2() {
 
 l2check() {
     tiny_models || return 1
-    SPARKCHAT_L2_PREFETCH_MB=8 SPARKCHAT_L2_PREFETCH_PACE=800 SPARKCHAT_L2_PREFETCH_AFTER=0 timeout 200 \
+    SPARKCHAT_L2_PREFETCH_MB=8 SPARKCHAT_L2_PREFETCH_PACE=800 timeout 200 \
         python3 -m pytest -q -x tests/test_gpu_engine.py -k "fast_path_matches or lossless" 2>&1 | tail -4 \
         | tee "$OUT/l2-engine.txt"
 }
 
 # The paced prefetch (SPARKCHAT_L2_PREFETCH_PACE: clock cycles between a program's rounds of 32 lines),
-# issued as the top-k launches (SPARKCHAT_L2_PREFETCH_AFTER=0, the default): 8 MB at 650 / 800 cycles,
+# issued as the top-k launches: 8 MB at 650 / 800 cycles,
 # 10 and 12 MB at 800 (the H200 streams more in the same idle stretch), each against off; then the
 # timeline at 8 MB / 800.
 l2pace() {
-    export SPARKCHAT_L2_PREFETCH_AFTER=0
     timeout 330 python3 benchmarks/profile_step.py --rounds 3 \
         --switch SPARKCHAT_L2_PREFETCH_MB=8+SPARKCHAT_L2_PREFETCH_PACE=650 \
         --switch SPARKCHAT_L2_PREFETCH_MB=8+SPARKCHAT_L2_PREFETCH_PACE=800 \

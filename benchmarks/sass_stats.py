@@ -280,7 +280,7 @@ def router_sass(arch: int) -> list[str] | None:
     cfg = g.gemv_config("plain", 1, E, H)
     split = g._split_for(H, min(cfg.bk, g._pow2(H)), cfg.split)
     cx = dict(E=E, G=8, TG=4, K=K, KP=8, RENORM=True, T=1, SPLIT=split, PDL=True,
-              PF_LINES=0, PF_AFTER=False, PF_PACE=0)  # the routing program alone, as without l2_prefetch
+              PF_LINES=0, PF_PACE=0)  # the routing program alone, as without l2_prefetch
     return compile_sass(r.route_kernel, sig, cx, r.ROUTE_WARPS, arch)
 
 

@@ -159,7 +159,7 @@ def l2_prefetch_bytes(device: torch.device | None = None) -> int:
     step 1% faster in three runs (2.440 -> 2.416, 2.445 -> 2.417 ms; docs/benchmarks.md session 34); the
     Spark (sm_121) stays off until measured: the lines would have to outlive ~30 MB of expert streaming
     in its smaller L2, and if they do not, each prefetched byte is read twice on a bandwidth-bound
-    machine. SPARKCHAT_L2_PREFETCH_PACE and SPARKCHAT_L2_PREFETCH_AFTER shape it (kernels/router.py)."""
+    machine. SPARKCHAT_L2_PREFETCH_PACE paces it (kernels/router.py)."""
     value = os.environ.get("SPARKCHAT_L2_PREFETCH_MB")
     if value is None:
         return DEFAULT_L2_PREFETCH if device is not None and _is_sm90(device) else 0

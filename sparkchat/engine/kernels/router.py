@@ -85,16 +85,13 @@ def _prefetch_l2(ptr, first, n_lines, LINES: tl.constexpr, PACE: tl.constexpr = 
 def route_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, scaling,
                  E: tl.constexpr, G: tl.constexpr, TG: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
                  RENORM: tl.constexpr, T: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr = False,
-                 pf_ptr=None, pf_lines=0, PF_LINES: tl.constexpr = 0, PF_AFTER: tl.constexpr = False,
-                 PF_PACE: tl.constexpr = 0):
+                 pf_ptr=None, pf_lines=0, PF_LINES: tl.constexpr = 0, PF_PACE: tl.constexpr = 0):
     """Token program_id(0)'s experts and weights from the router GEMV's SPLIT partial logits [SPLIT, T, E],
     added in order (bias_ptr: the expert bias). PF_LINES > 0: the programs after the T tokens' each ask
     L2 for PF_LINES lines of pf_ptr (pf_lines in all) and end without waiting (route's `l2_prefetch`)."""
     t = tl.program_id(0)
     if PF_LINES > 0:
-        if t >= T:
-            if PF_AFTER:  # not while the router's GEMV finishes: its reads would queue behind the lines
-                pdl_wait(PDL)
+        if t >= T:  # no wait: it touches nothing (after the wait, the top-k's loads queued behind it)
             _prefetch_l2(pf_ptr, (t - T) * PF_LINES, pf_lines, PF_LINES, PF_PACE)
         else:
             _route_program(logits_ptr, bias_ptr, ids_ptr, w_ptr, scaling, t, E, G, TG, K, KP, RENORM, T, SPLIT,
@@ -202,7 +199,6 @@ def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, groups: int
         lines = l2_prefetch.numel() * l2_prefetch.element_size() // 128
         programs = triton.cdiv(lines, PREFETCH_LINES)
         pf = dict(pf_ptr=l2_prefetch.view(torch.uint8), pf_lines=lines, PF_LINES=PREFETCH_LINES,
-                  PF_AFTER=os.environ.get("SPARKCHAT_L2_PREFETCH_AFTER", "0") == "1",
                   PF_PACE=_int_env("SPARKCHAT_L2_PREFETCH_PACE", PREFETCH_PACE))
     route_kernel[(T + programs,)](logits, bias, ids, w, float(scaling), E=E, G=groups, TG=top_groups, K=top_k,
                                   KP=triton.next_power_of_2(top_k), RENORM=renormalize, T=T,
