@@ -244,7 +244,7 @@ l2check() {
 # The paced prefetch (SPARKCHAT_L2_PREFETCH_PACE: clock cycles between a program's rounds of 32 lines),
 # issued as the top-k launches: 8 MB at 650 / 800 cycles,
 # 10 and 12 MB at 800 (the H200 streams more in the same idle stretch), each against off; then the
-# timeline at 8 MB / 800.
+# timeline at 8 MB / 800, and the plain decode loop as it runs with 8 MB against off.
 l2pace() {
     timeout 330 python3 benchmarks/profile_step.py --rounds 3 \
         --switch SPARKCHAT_L2_PREFETCH_MB=8+SPARKCHAT_L2_PREFETCH_PACE=650 \
@@ -253,6 +253,8 @@ l2pace() {
         --switch SPARKCHAT_L2_PREFETCH_MB=12+SPARKCHAT_L2_PREFETCH_PACE=800 2>&1 | tee "$OUT/ab-l2-pace.txt"
     SPARKCHAT_L2_PREFETCH_MB=8 SPARKCHAT_L2_PREFETCH_PACE=800 timeout 100 python3 benchmarks/profile_step.py \
         --timeline 2>&1 | tee "$OUT/timeline-l2-pace.txt"
+    timeout 100 python3 benchmarks/profile_step.py --loop-switch SPARKCHAT_L2_PREFETCH_MB=8 --loop-drafts 0 2>&1 \
+        | tee "$OUT/loop-decode-l2.txt"
 }
 
 bench() {

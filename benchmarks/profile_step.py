@@ -21,8 +21,8 @@ With --knockout it times the graphed step and the 4-token verify with parts of e
 out (the shared expert; the router, replaced by fixed ids) or moved (the shared expert on the main
 stream, or joined only after the routed experts): what each part costs on the step's critical path,
 with PDL and the side stream hiding what they can. The outputs are wrong, the times not.
-With --loop-switch NAME it alternates one environment switch in the real speculative loop
-(generate_tokens, greedy, 3 drafts, the 32K-row draft head, a 1000-token prompt) and prints the
+With --loop-switch NAME[=VALUE] it alternates one environment switch (VALUE or 1, then 0) in the real
+speculative loop (generate_tokens, greedy, 3 drafts, the 32K-row draft head, a 1000-token prompt) and prints the
 time a cycle (with --loop-temperature T it samples at T; with --loop-drafts 0 it decodes without MTP,
 a step a cycle); with --loop-sampling it alternates greedy and sampled (temperature 0.7) decoding there.
 """
@@ -423,16 +423,18 @@ def knockout(model, state: ConversationState, rounds: int = 2) -> None:
 
 def alternate_loop(model, state: ConversationState, name: str | None, rounds: int = 3, rows: int = 32768,
                    temperature: float = 0.0, drafts: int = 3) -> None:
-    """The real speculative loop (bench's loop line, more tokens) with one switch on, off, on, off...,
-    greedy or sampled at `temperature`, `drafts` a cycle (0: plain decoding, a step a cycle); name None:
-    greedy, then sampled at temperature 0.7."""
+    """The real speculative loop (bench's loop line, more tokens) with one switch on, off, on, off... (NAME or
+    NAME=VALUE: VALUE, then 0), greedy or sampled at `temperature`, `drafts` a cycle (0: plain decoding,
+    a step a cycle); name None: greedy, then sampled at temperature 0.7."""
     import os
 
     from sparkchat.engine.bench import _loop_cycle
 
     model.lm_head.set_draft_rows(list(range(rows)))
+    name, _, on = (name or "").partition("=")  # NAME=VALUE alternates VALUE and 0
+    name = name or None
     for _ in range(rounds):
-        for value in ("1", "0"):
+        for value in (on or "1", "0"):
             if name is None:
                 label, temperature = ("greedy", 0.0) if value == "1" else ("sampled, temperature 0.7", 0.7)
             else:
