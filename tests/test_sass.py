@@ -267,7 +267,7 @@ def test_the_split_norms_kernels_compile_without_spills(arch):
 
 
 @pytest.mark.parametrize("arch", [90, 121])
-def test_one_token_stages_with_the_shared_expert_compile_without_spills(arch):
+def test_one_token_stages_with_the_shared_expert_spill_no_more_than_stage_1_alone(arch):
     """SPARKCHAT_MOE_SHARED=1|2 at one token with the 16-byte-load stages (the default), compiled as
     launched (FENCE on): stage 2 holding the shared expert's down rows too has no stack. Stage 1, capped at
     80 registers so that its programs fit the GPU at once, keeps every weight load in front of the warp

@@ -68,11 +68,9 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [T, H] → (expert ids [T, k] int64, weights [T, k] fp32)."""
         ahead = self.l2_prefetch() if self.l2_prefetch is not None and x.shape[0] == 1 else None
-        if ahead is not None:
-            return ops.route(x, self.weight, self.expert_bias, self.groups, self.top_groups, self.top_k,
-                             self.scaling, self.renormalize, l2_prefetch=ahead)
+        hint = {} if ahead is None else {"l2_prefetch": ahead}  # the torch twin takes no such argument
         return ops.route(x, self.weight, self.expert_bias, self.groups, self.top_groups, self.top_k,
-                         self.scaling, self.renormalize)
+                         self.scaling, self.renormalize, **hint)
 
 
 @register
