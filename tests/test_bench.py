@@ -106,3 +106,21 @@ def test_bench_reports_the_kernel_cache_as_found_at_launch(tmp_path, capsys, mon
     assert main(["bench", "--config", str(cfg_path), "--device", "cpu", "--context", "8", "--iters", "1",
                  "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["triton_cache"] == "warm"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: CUDA graphs")
+def test_graph_timing_replays_the_captured_calls_and_nothing_else():
+    from sparkchat.engine.traffic import median_graph_time
+
+    counter = torch.zeros(1, device="cuda")
+    x = torch.randn(2048, 2048, device="cuda")
+
+    def work():
+        counter.add_(1)
+        x @ x
+
+    seconds = median_graph_time(work, iters=5)
+    torch.cuda.synchronize()
+    # one warm-up call, one on the side stream, none while capturing, then a queued and a timed replay per iteration
+    assert counter.item() == 2 + 2 * 5
+    assert 0 < seconds < 0.1

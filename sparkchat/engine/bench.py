@@ -16,8 +16,8 @@ import torch
 from sparkchat.engine.generate import Decoder
 from sparkchat.engine.model import LingModel
 from sparkchat.engine.state import ConversationState
-from sparkchat.engine.traffic import (decode_bytes, draft_step_bytes, measure_read_bandwidth, median_time,
-                                      tensor_bytes, verify_bytes)
+from sparkchat.engine.traffic import (decode_bytes, draft_step_bytes, measure_read_bandwidth, median_graph_time,
+                                      median_time, tensor_bytes, verify_bytes)
 
 SPARK_READ_BW = 234e9  # bytes/s, the DGX Spark's measured read bandwidth (public report)
 PUBLISHED_ACCEPT_LENGTH = 2.68  # NVIDIA's MTP accept length on GSM8K, 3 draft steps
@@ -103,16 +103,21 @@ def measure_stream_efficiency(model: LingModel, device: torch.device, bw: float,
     """The FP8 head's GEMV alone (the decode step's, with its argmax), as a share of `bw`: the largest
     weight stream of a step (157,184 rows, ~0.4 GB at full shape), long enough that its launch and tail
     hardly count — what the step's kernels reach where every launch streams long, as on the Spark.
+    On a GPU timed in a CUDA graph, as the step runs it: timed as eager calls, the host's launch gaps
+    moved the figure from run to run (71-91% on H100s where the same kernel graphed reads ~97%).
     Capped at 1: the Spark's figure is itself a measured read. Needs the FP8 head configured."""
     head = model.lm_head
     h = torch.randn(1, model.cfg.hidden_size, device=device, dtype=model.embed.dtype)
-    calls = 8  # back to back, so the launches' host time hides behind the GEMVs
+    calls = 8  # back to back: one launch's tail overlaps the next one's start, as in the step
 
     def stream():
         for _ in range(calls):
             head.argmax(h)
 
-    seconds = median_time(stream, device, iters) / calls
+    if device.type == "cuda":
+        seconds = median_graph_time(stream, iters) / calls
+    else:
+        seconds = median_time(stream, device, iters) / calls
     return min(1.0, tensor_bytes(head.fp8_weight, head.fp8_scale) / seconds / bw)
 
 
