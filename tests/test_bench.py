@@ -77,6 +77,7 @@ def test_bench_command_prints_the_table_as_json(tmp_path, capsys):
     assert main(["bench", "--config", str(cfg_path), "--device", "cpu", "--context", "16", "--iters", "2"]) == 0
     text = capsys.readouterr().out
     assert "projection, not a measurement" in text and "half the experts repeated" in text
+    assert "% of read BW, eager calls)" in text  # how the efficiency was timed (on a GPU: in a CUDA graph)
     assert "the MTP loop as it runs" in text and "the decode loop as it runs, without MTP" in text
     # a prompt longer than the context: the model is built with room for it
     assert main(["bench", "--config", str(cfg_path), "--device", "cpu", "--context", "16", "--iters", "1",

@@ -202,7 +202,9 @@ def spark_projection_note(r: dict) -> list[str]:
     lines = ["* Spark: a projection, not a measurement — each row's bytes at the DGX Spark's 234 GB/s read "
              "bandwidth, streamed at the efficiency of the FP8 head's GEMV alone here"]
     if r.get("stream_efficiency_pct") is not None:
-        lines[0] += f" ({r['stream_efficiency_pct']:.0f}% of read BW)"
+        # on a GPU the head's calls replay in a CUDA graph, as the step runs them (no host launch gaps)
+        how = "eager calls" if r.get("device") == "cpu" else "in a CUDA graph"
+        lines[0] += f" ({r['stream_efficiency_pct']:.0f}% of read BW, {how})"
         lines.append(f"  plus the time each row spent here beyond streaming its bytes (launches, dependency chains: "
                       f"{r['spark_latency_ms']:.2f} ms in the fastest decode row), taken to cost the same there; "
                       f"+ MTP with half the experts repeated between neighbours, as a real model routes. "
