@@ -29,19 +29,13 @@ EXPERT_BYTES = (2 * INTER * H // 2 + 2 * INTER * H // 32) + (H * INTER // 2 + H 
 
 def graph_us(calls, reps: int = 25) -> float:
     """Median microseconds per call of `calls` (list of zero-arg callables) replayed in one CUDA graph."""
-    for c in calls:  # compile and warm up outside the capture
-        c()
-    torch.cuda.synchronize()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
+    from sparkchat.engine.traffic import capture_graph
+
+    def all_calls():
         for c in calls:
             c()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for c in calls:
-            c()
+
+    graph = capture_graph(all_calls)
     graph.replay()
     torch.cuda.synchronize()
     times = []

@@ -131,12 +131,10 @@ def median_time(fn: Callable[[], Any], device: torch.device, iters: int) -> floa
     return times[len(times) // 2]
 
 
-def median_graph_time(fn: Callable[[], Any], iters: int) -> float:
-    """Seconds one call of `fn` takes on the GPU, captured in a CUDA graph: the median of `iters`
-    replays, each queued behind an untimed one so that it starts the moment the GPU is free — the
-    kernels' own time, as the engine's graphed steps run them, without the gaps eager launches leave
-    while the host catches up (median_time's timing of eager calls)."""
-    fn()  # compile and warm up outside the capture, then once on a side stream as capture requires
+def capture_graph(fn: Callable[[], Any]) -> torch.cuda.CUDAGraph:
+    """`fn` captured in a CUDA graph, after one call to compile and warm up outside the capture and one
+    on a side stream (as capture requires). fn runs twice here; the capture itself runs nothing."""
+    fn()
     torch.cuda.synchronize()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -146,6 +144,15 @@ def median_graph_time(fn: Callable[[], Any], iters: int) -> float:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
+    return graph
+
+
+def median_graph_time(fn: Callable[[], Any], iters: int) -> float:
+    """Seconds one call of `fn` takes on the GPU, captured in a CUDA graph: the median of `iters`
+    replays, each queued behind an untimed one so that it starts the moment the GPU is free — the
+    kernels' own time, as the engine's graphed steps run them, without the gaps eager launches leave
+    while the host catches up (median_time's timing of eager calls)."""
+    graph = capture_graph(fn)
     times = []
     for _ in range(iters):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
