@@ -2,7 +2,7 @@
 # The GPU runs waiting for a development GPU, as named batches, so a lent machine starts on them at once.
 #
 #   bash benchmarks/gpu_queue.sh wheels        # here (with package registries): the wheels the GPU box lacks
-#   bash benchmarks/gpu_queue.sh quick|qbench|gemvs|verify|pipeline|sampled|handoff|decode|tails|verify4|race|first|ab|tests|configs|l2|l2check|l2pace|bench|load   # on the GPU box, logs under $OUT (default ./gpu-out)
+#   bash benchmarks/gpu_queue.sh quick|qbench|gemvs|verify|pipeline|sampled|handoff|decode|tails|verify4|race|first|ab|tests|configs|l2|l2check|l2pace|evict|bench|load   # on the GPU box, logs under $OUT (default ./gpu-out)
 #
 # The GPU box has torch, triton and transformers, but not this project's other dependencies, nor the
 # transformers the tiny test models need (5.24), and it cannot fetch: `wheels` downloads them into .whl2/
@@ -257,6 +257,15 @@ l2pace() {
         | tee "$OUT/loop-decode-l2.txt"
 }
 
+evict() {  # session 36: the weight streams marked evict_first in L2 (overrides.weight_eviction), bits 1 MoE, 2 GEMVs
+    SPARKCHAT_WEIGHT_EVICT=3 timeout 200 python3 -m pytest -q tests/test_kernels.py tests/test_router_kernel.py \
+        -k "vectorized or shared_expert or fp8_block_gemv_gpu or fp8_head_gpu or router" 2>&1 | tail -5 \
+        | tee "$OUT/evict-kernel-tests.txt"
+    timeout 380 python3 benchmarks/profile_step.py --rounds 3 \
+        --switch SPARKCHAT_WEIGHT_EVICT=1,2,3 \
+        --switch SPARKCHAT_WEIGHT_EVICT=3+SPARKCHAT_L2_PREFETCH_MB=12 2>&1 | tee "$OUT/ab-evict.txt"
+}
+
 bench() {
     timeout 300 python3 -m sparkchat bench --context 1024 --iters 20 2>&1 | tee "$OUT/bench.txt"
     timeout 120 python3 benchmarks/profile_step.py --timeline 2>&1 | tee "$OUT/timeline.txt"
@@ -271,6 +280,6 @@ load() {  # the checkpoint reader to the GPU: mmap vs plain reads, and the page 
 
 case "${1:-}" in
     wheels) wheels ;;
-    quick|qbench|gemvs|verify|pipeline|sampled|handoff|decode|tails|verify4|race|first|ab|tests|configs|l2|l2check|l2pace|bench|load) install_wheels; "$1" ;;
-    *) echo "usage: $0 wheels|quick|qbench|gemvs|verify|pipeline|sampled|handoff|decode|tails|verify4|race|first|ab|tests|configs|l2|l2check|l2pace|bench|load" >&2; exit 2 ;;
+    quick|qbench|gemvs|verify|pipeline|sampled|handoff|decode|tails|verify4|race|first|ab|tests|configs|l2|l2check|l2pace|evict|bench|load) install_wheels; "$1" ;;
+    *) echo "usage: $0 wheels|quick|qbench|gemvs|verify|pipeline|sampled|handoff|decode|tails|verify4|race|first|ab|tests|configs|l2|l2check|l2pace|evict|bench|load" >&2; exit 2 ;;
 esac

@@ -312,10 +312,12 @@ def mma_gemv(arch: int) -> tuple[object, float]:
     return compile_kernel(g.fp8_mma_kernel, _GEMV_SIG, cx, cfg.warps, arch), cfg.bn * cfg.bk / (32 * cfg.warps)
 
 
-def fma_gemv(arch: int, T: int, N: int, K: int, cfg=None, split_norm: int = 0) -> tuple[object, float]:
+def fma_gemv(arch: int, T: int, N: int, K: int, cfg=None, split_norm: int = 0,
+             evict: str = "") -> tuple[object, float]:
     """The FMA GEMV (fp8_gemv_kernel, block scales, bf16 out) for T tokens at N x K with cfg (default:
     what the engine picks): (the compiled kernel, weights a thread streams per k step). split_norm: x is
-    a split RMSNorm's input with that many sums of squares a token (fp8_block_gemv's split_norm)."""
+    a split RMSNorm's input with that many sums of squares a token (fp8_block_gemv's split_norm). evict: the
+    weights' L2 eviction hint (overrides.weight_eviction)."""
     from sparkchat.engine.kernels import fp8_gemv as g
 
     cfg = cfg or g.gemv_config("block", T, N, K)
@@ -323,7 +325,7 @@ def fma_gemv(arch: int, T: int, N: int, K: int, cfg=None, split_norm: int = 0) -
     split = g._split_for(K, bk, cfg.split)
     cx = dict(T=T, N=N, K=K, BN=cfg.bn, RS=cfg.rs, BK=bk, UNROLL=cfg.unroll, SCALE=0, OUT=0 if split == 1 else 3,
               SPLIT=split, PREFETCH=cfg.prefetch, ROW_ACC=cfg.row_acc, XS=0, XU=0, X_SWIGLU=False, PDL=True,
-              KACC=g._kacc(cfg, bk))
+              KACC=g._kacc(cfg, bk), EVICT=evict)
     sig = _GEMV_SIG
     cx.update(XN_NSQ=0, XN_NSQP=1)
     if split_norm:

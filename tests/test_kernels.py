@@ -1204,3 +1204,18 @@ def test_gemv_config_overrides_take_one_shape_and_refuse_typos(monkeypatch):
         monkeypatch.setenv("SPARKCHAT_GEMV_CONFIG", bad)
         with pytest.raises(ValueError, match="SPARKCHAT_GEMV_CONFIG"):
             gemv_config("plain", 1, 512, 2560)
+
+
+def test_weight_eviction_reads_one_bit_a_kind_of_stream(monkeypatch):
+    from sparkchat.engine.kernels.overrides import weight_eviction
+
+    monkeypatch.delenv("SPARKCHAT_WEIGHT_EVICT", raising=False)
+    assert weight_eviction(1) == weight_eviction(2) == ""  # off by default
+    monkeypatch.setenv("SPARKCHAT_WEIGHT_EVICT", "1")
+    assert (weight_eviction(1), weight_eviction(2)) == ("evict_first", "")
+    monkeypatch.setenv("SPARKCHAT_WEIGHT_EVICT", "2")
+    assert (weight_eviction(1), weight_eviction(2)) == ("", "evict_first")
+    monkeypatch.setenv("SPARKCHAT_WEIGHT_EVICT", "3")
+    assert weight_eviction(1) == weight_eviction(2) == "evict_first"
+    monkeypatch.setenv("SPARKCHAT_WEIGHT_EVICT", "first")  # not a number: off, never an unknown policy
+    assert weight_eviction(1) == ""

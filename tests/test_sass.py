@@ -344,3 +344,31 @@ def test_mla_merge_and_unfold_of_a_window_in_one_trip_to_memory():
         runs[mode] = s.load_trips_after(s.disassemble(k, "mla_combine_unfold_kernel"), 0)
         assert s.stack_frame(k, "mla_combine_unfold_kernel") == 0, mode
     assert runs == {0: 4, 1: 1, 2: 1}, runs
+
+
+@pytest.mark.parametrize("arch", [90, 121])
+def test_weight_streams_marked_evict_first_keep_their_registers(arch):
+    """SPARKCHAT_WEIGHT_EVICT: the one-token MoE stages (with the shared expert's rows) and the FP8 GEMV
+    with EVICT="evict_first" load their weights with an L2 evict_first cache policy (L2::cache_hint) and
+    nothing else changes: the same registers and stack as without the hint."""
+    s = _tools()
+    from dataclasses import replace
+
+    from sparkchat.engine.kernels import mxfp4_moe as m
+
+    vec = replace(m.moe_config(1, s.H, s.INTER, vec=0), vec1=True, vec2=True, **m._VEC1[(1, s.H, s.INTER)])
+    for stage, shared in ((1, 2), (2, 2)):
+        plain, _, name = s._moe_stage(vec, stage, arch, shared, EVICT="")
+        hinted, _, _ = s._moe_stage(vec, stage, arch, shared, EVICT="evict_first")
+        assert "L2::cache_hint" not in plain.asm["ptx"] and "L2::evict_first" in hinted.asm["ptx"], (stage, shared)
+        hints = sum("L2::cache_hint" in line for line in hinted.asm["ptx"].splitlines() if "ld.global" in line)
+        assert hints >= (20 if stage == 1 else 12), (stage, hints)  # every weight and scale load
+        assert s.registers(hinted, name) == s.registers(plain, name), (stage, name)
+        assert s.stack_frame(hinted, name) == s.stack_frame(plain, name), (stage, name)
+    from sparkchat.engine.kernels import fp8_gemv as g
+
+    cfg = g.gemv_config("block", 1, 20480, 2560)
+    plain, _ = s.fma_gemv(arch, 1, 20480, 2560, cfg)
+    hinted, _ = s.fma_gemv(arch, 1, 20480, 2560, cfg, evict="evict_first")
+    assert "L2::evict_first" in hinted.asm["ptx"] and "L2::cache_hint" not in plain.asm["ptx"]
+    assert s.registers(hinted, "fp8_gemv_kernel") == s.registers(plain, "fp8_gemv_kernel")

@@ -25,7 +25,7 @@ import triton.language as tl
 from sparkchat.engine.kernels.counters import arrival_counters
 from sparkchat.engine.kernels.device import interpreting
 from sparkchat.engine.kernels.norm_rows import SCALE_BLOCK, _norm_rows, norm_rows_kernel
-from sparkchat.engine.kernels.overrides import field_overrides
+from sparkchat.engine.kernels.overrides import field_overrides, weight_eviction
 from sparkchat.engine.kernels.packed_acts import _store_packed
 from sparkchat.engine.kernels.pdl import pdl_args, pdl_wait
 
@@ -33,7 +33,7 @@ from sparkchat.engine.kernels.pdl import pdl_args, pdl_wait
 @triton.jit
 def _gemv_weights(w_ptr, s_ptr, r0, k0, sub, kk, N: tl.constexpr, K: tl.constexpr, KB: tl.constexpr,
                   BN: tl.constexpr, RS: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
-                  SCALE: tl.constexpr):
+                  SCALE: tl.constexpr, EVICT: tl.constexpr = ""):
     """Raw fp8 tiles [BN, BK] of the RS row tiles at k0, and (block scales) the scale of each column
     (the RS tiles sit in one 128-row scale block). Constant data: loadable before pdl_wait."""
     cols = k0 + kk
@@ -43,11 +43,11 @@ def _gemv_weights(w_ptr, s_ptr, r0, k0, sub, kk, N: tl.constexpr, K: tl.constexp
         rows = r0 + r * BN + sub
         wp = w_ptr + rows[:, None] * K + cols[None, :]
         if EVEN_N and EVEN_K:
-            w = tl.load(wp)
+            w = tl.load(wp, eviction_policy=EVICT)
         elif EVEN_K:
-            w = tl.load(wp, mask=(rows < N)[:, None], other=0.0)
+            w = tl.load(wp, mask=(rows < N)[:, None], other=0.0, eviction_policy=EVICT)
         else:
-            w = tl.load(wp, mask=(rows < N)[:, None] & kmask[None, :], other=0.0)
+            w = tl.load(wp, mask=(rows < N)[:, None] & kmask[None, :], other=0.0, eviction_policy=EVICT)
         ws = ws + (w,)
     if SCALE == 0:
         sc = tl.load(s_ptr + (r0 // SCALE_BLOCK) * KB + cols // SCALE_BLOCK, mask=kmask, other=0.0)
@@ -99,9 +99,10 @@ def _gemv_loads(x_ptr, w_ptr, s_ptr, r0, k0, sub, kk, T: tl.constexpr, N: tl.con
                 KB: tl.constexpr, BN: tl.constexpr, RS: tl.constexpr, EVEN_N: tl.constexpr,
                 EVEN_K: tl.constexpr, SCALE: tl.constexpr, XS: tl.constexpr, XU: tl.constexpr,
                 X_SWIGLU: tl.constexpr, lim, xn=(), XN: tl.constexpr = False, XN_WRITE: tl.constexpr = True,
-                XN_HX: tl.constexpr = False, INTERPRET: tl.constexpr = False, hx_ptr=None):
+                XN_HX: tl.constexpr = False, INTERPRET: tl.constexpr = False, hx_ptr=None,
+                EVICT: tl.constexpr = ""):
     """One k step's weight tiles and scaled activation chunks."""
-    ws, sc = _gemv_weights(w_ptr, s_ptr, r0, k0, sub, kk, N, K, KB, BN, RS, EVEN_N, EVEN_K, SCALE)
+    ws, sc = _gemv_weights(w_ptr, s_ptr, r0, k0, sub, kk, N, K, KB, BN, RS, EVEN_N, EVEN_K, SCALE, EVICT)
     xs = _gemv_acts(x_ptr, sc, k0, kk, T, K, EVEN_K, SCALE, XS, XU, X_SWIGLU, lim, xn, XN, XN_WRITE, XN_HX,
                     INTERPRET, hx_ptr)
     return ws, xs
@@ -173,6 +174,7 @@ def fp8_gemv_kernel(
     # (XN_WRITE False: not written here, another kernel does; XN_HX: also as the MoE's packed planes, xn_hx_ptr)
     xn_ssq_ptr=None, xn_w_ptr=None, xn_h_ptr=None, xn_eps=0.0, XN_NSQ: tl.constexpr = 0, XN_NSQP: tl.constexpr = 1,
     XN_WRITE: tl.constexpr = True, xn_hx_ptr=None, XN_HX: tl.constexpr = False,
+    EVICT: tl.constexpr = "",  # the weights' L2 eviction hint (overrides.weight_eviction)
 ):
     """Rows [pid*RS*BN, +RS*BN) of y = x @ w.T for T tokens, over this program's share of K. The
     program holds RS row tiles of [BN, BK] fp8 per k step; each token's activation chunk is loaded
@@ -199,7 +201,7 @@ def fp8_gemv_kernel(
         else:
             accs = accs + (tl.zeros([BN, BK], dtype=tl.float32),)
     # The first k step's weights are loaded before pdl_wait: they overlap the previous kernel's tail.
-    ws, sc = _gemv_weights(w_ptr, s_ptr, r0, k_lo, sub, kk, N, K, KB, BN, RS, EVEN_N, EVEN_K, SCALE)
+    ws, sc = _gemv_weights(w_ptr, s_ptr, r0, k_lo, sub, kk, N, K, KB, BN, RS, EVEN_N, EVEN_K, SCALE, EVICT)
     pdl_wait(PDL)
     XN: tl.constexpr = XN_NSQ > 0
     if XN:
@@ -215,7 +217,7 @@ def fp8_gemv_kernel(
             kn = k_lo + tl.minimum(kb + BK, (KS - 1) // BK * BK)
             ws_n, xs_n = _gemv_loads(x_ptr, w_ptr, s_ptr, r0, kn, sub, kk, T, N, K, KB, BN, RS, EVEN_N,
                                      EVEN_K, SCALE, XSTRIDE, XU, X_SWIGLU, lim, xn, XN, XN_WRITE, XN_HX,
-                                     INTERPRET, xn_hx_ptr)
+                                     INTERPRET, xn_hx_ptr, EVICT)
             accs = _gemv_step(accs, ws, xs, T, RS, ROW_ACC, KACC)
             ws = ws_n
             xs = xs_n
@@ -224,7 +226,8 @@ def fp8_gemv_kernel(
         for kb in tl.range(BK, KS, BK, loop_unroll_factor=UNROLL):
             k0 = k_lo + kb
             ws, xs = _gemv_loads(x_ptr, w_ptr, s_ptr, r0, k0, sub, kk, T, N, K, KB, BN, RS, EVEN_N, EVEN_K,
-                                 SCALE, XSTRIDE, XU, X_SWIGLU, lim, xn, XN, XN_WRITE, XN_HX, INTERPRET, xn_hx_ptr)
+                                 SCALE, XSTRIDE, XU, X_SWIGLU, lim, xn, XN, XN_WRITE, XN_HX, INTERPRET, xn_hx_ptr,
+                                 EVICT)
             accs = _gemv_step(accs, ws, xs, T, RS, ROW_ACC, KACC)
     for t in tl.static_range(T):
         for r in tl.static_range(RS):
@@ -648,6 +651,8 @@ def _gemv(x, w, s, y, pmax, pidx, scale_kind: int, out_kind: int, cfg: GemvConfi
                              **pdl_args(x.device))
         return
     assert 128 % (cfg.bn * cfg.rs) == 0, "bn * rs must divide the 128-row scale block"
+    if weight_eviction(2):
+        extra = dict(extra, EVICT=weight_eviction(2))
     fp8_gemv_kernel[grid](x, w, s, y, pmax, pidx, T=T, N=N, K=K, BN=cfg.bn, RS=cfg.rs, BK=bk, UNROLL=cfg.unroll,
                           SCALE=scale_kind, OUT=out_kind, SPLIT=split, PREFETCH=cfg.prefetch, ROW_ACC=cfg.row_acc,
                           KACC=_kacc(cfg, bk), num_warps=cfg.warps, **extra, **pdl_args(x.device))
@@ -930,6 +935,8 @@ def plain_gemv_partials(x: torch.Tensor, w: torch.Tensor, config: GemvConfig | N
     split = _split_for(K, bk, cfg.split)
     part = torch.empty(split, T, N, dtype=torch.float32, device=x.device)
     x, extra = _split_norm_input(x, split_norm)
+    if weight_eviction(2):
+        extra = dict(extra, EVICT=weight_eviction(2))
     fp8_gemv_kernel[(triton.cdiv(N, cfg.bn * cfg.rs), split)](
         x, w, w, part, part, part, T=T, N=N, K=K, BN=cfg.bn, RS=cfg.rs, BK=bk, UNROLL=cfg.unroll, SCALE=2,
         SPLIT=split, PREFETCH=cfg.prefetch, ROW_ACC=cfg.row_acc, OUT=3, KACC=_kacc(cfg, bk), num_warps=cfg.warps,

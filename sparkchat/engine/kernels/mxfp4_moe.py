@@ -48,7 +48,7 @@ import triton.language as tl
 from sparkchat.engine.kernels.counters import arrival_counters
 from sparkchat.engine.kernels.device import interpreting
 from sparkchat.engine.kernels.norm_rows import _norm_rows
-from sparkchat.engine.kernels.overrides import field_overrides, tail_at_once
+from sparkchat.engine.kernels.overrides import field_overrides, tail_at_once, weight_eviction
 from sparkchat.engine.kernels.packed_acts import _HI16, _X_SCALE, _bf16_round, _store_packed
 from sparkchat.engine.kernels.pdl import pdl_args, pdl_wait
 
@@ -675,7 +675,8 @@ def _issue_fence():
 
 
 @triton.jit
-def _fp8_rows_preload(w_ptr, s_ptr, r0, K: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr):
+def _fp8_rows_preload(w_ptr, s_ptr, r0, K: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr,
+                      EVICT: tl.constexpr = ""):
     """Rows [r0, r0 + BS) of an FP8 weight [*, K] with 128 x 128 block scales s [*, ceil(K / 128)]: every
     step's [BS, BK] tile and the block scale of each 16-column vector [BK // 16], loaded up front (the
     rows lie in one 128-row block: BS divides 128 and r0 is a multiple of BS)."""
@@ -688,8 +689,8 @@ def _fp8_rows_preload(w_ptr, s_ptr, r0, K: tl.constexpr, BS: tl.constexpr, BK: t
     ws = ()
     ss = ()
     for k in tl.static_range(K // BK):
-        ws = ws + (tl.load(wp + k * BK),)
-        ss = ss + (tl.load(sp + (k * BK + seg) // 128),)
+        ws = ws + (tl.load(wp + k * BK, eviction_policy=EVICT),)
+        ss = ss + (tl.load(sp + (k * BK + seg) // 128, eviction_policy=EVICT),)
     return ws, ss
 
 
@@ -741,7 +742,8 @@ def _shared_programs_first(S: tl.constexpr, SHARED: tl.constexpr):
 
 @triton.jit
 def _shared_gate_up(x_ptr, w_ptr, s_ptr, act_ptr, limit, r0, H: tl.constexpr, UP: tl.constexpr,
-                    BS: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr, FENCE: tl.constexpr):
+                    BS: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr, FENCE: tl.constexpr,
+                    EVICT: tl.constexpr = ""):
     """Stage 1's shared-expert programs (MoE with `shared`): one token's gate rows [r0, r0 + BS) of the
     shared expert's fused FP8 gate|up weight and the matching up rows (at row UP + r), then the SwiGLU ->
     act_ptr[r0 : r0 + BS] fp32, rounded as the shared MLP's own kernels round it (its gate|up output to
@@ -750,8 +752,8 @@ def _shared_gate_up(x_ptr, w_ptr, s_ptr, act_ptr, limit, r0, H: tl.constexpr, UP
     GEMV — two kernels back at least (pdl.py) — and act_ptr's row is read only by stage 2, after its
     own wait, and touched by neither kernel that can still be running (the top-k before this launch,
     stage 2 after it)."""
-    gs, sgs = _fp8_rows_preload(w_ptr, s_ptr, r0, H, BS, BK)
-    us, sus = _fp8_rows_preload(w_ptr, s_ptr, UP + r0, H, BS, BK)
+    gs, sgs = _fp8_rows_preload(w_ptr, s_ptr, r0, H, BS, BK, EVICT)
+    us, sus = _fp8_rows_preload(w_ptr, s_ptr, UP + r0, H, BS, BK, EVICT)
     if FENCE:
         _issue_fence()
     g = _bf16_round(_fp8_rows_dot(gs, sgs, x_ptr, H, BS, BK)[0])
@@ -765,14 +767,14 @@ def _shared_gate_up(x_ptr, w_ptr, s_ptr, act_ptr, limit, r0, H: tl.constexpr, UP
 @triton.jit
 def _shared_down(act_ptr, w_ptr, s_ptr, out_ptr, r0, limit, T: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
                  BS: tl.constexpr, BK: tl.constexpr, GU: tl.constexpr, GU_ROW: tl.constexpr, PDL: tl.constexpr,
-                 FENCE: tl.constexpr):
+                 FENCE: tl.constexpr, EVICT: tl.constexpr = ""):
     """Stage 2's shared-expert programs: rows [r0, r0 + BS) of the shared expert's FP8 down projection, its
     weights and scales loaded before the PDL wait, then each of the T tokens' act -> out_ptr[t, r0 : r0 +
     BS] (rows of H) fp32, holding the bf16 the down GEMV would give (_sum_slots adds it). The act: stage
     1's (GU = 0; one token), or (GU > 0: up at column GU, rows of GU_ROW) the SwiGLU of the gate|up GEMV's
     output, made as it is loaded. That output was joined before this launch (a full dependency, not the
     PDL edge), so with it all of this runs before the wait; stage 1's act must wait."""
-    ws, ss = _fp8_rows_preload(w_ptr, s_ptr, r0, I, BS, BK)
+    ws, ss = _fp8_rows_preload(w_ptr, s_ptr, r0, I, BS, BK, EVICT)
     if FENCE:
         _issue_fence()
     if GU == 0:
@@ -822,6 +824,7 @@ def mxfp4_moe_stage1_vec_kernel(
     ACT_PACKED: tl.constexpr = False, X_PACKED: tl.constexpr = False, FENCE: tl.constexpr = True,
     xs_ptr=None, shw_ptr=None, shs_ptr=None, sha_ptr=None, sh_limit=0.0,
     SHARED: tl.constexpr = 0, SH_UP: tl.constexpr = 0, SH_BK: tl.constexpr = 0, TILE: tl.constexpr = True,
+    EVICT: tl.constexpr = "",
 ):
     """Stage 1 for one token per program (slot s, block nb of BN gate rows and the matching up rows), its
     weights in 16-byte loads: a thread holds whole MX groups (4 consecutive words, one scale byte), so a
@@ -838,20 +841,20 @@ def mxfp4_moe_stage1_vec_kernel(
         if s >= K:  # one token
             BSH: tl.constexpr = BN // SHARED
             _shared_gate_up(xs_ptr, shw_ptr, shs_ptr, sha_ptr, sh_limit, nb * BN + (s - K) * BSH, H, SH_UP, BSH,
-                            SH_BK, PDL, FENCE and not INTERPRET)
+                            SH_BK, PDL, FENCE and not INTERPRET, EVICT)
         else:
             _stage1_vec_routed(x_ptr, ids_ptr, rw_ptr, w13_ptr, s13_ptr, act_ptr, limit, s, nb, K, H, I, BN, BKW,
-                               INTERPRET, PDL, PAIRED, ACT_PACKED, X_PACKED, FENCE, TILE)
+                               INTERPRET, PDL, PAIRED, ACT_PACKED, X_PACKED, FENCE, TILE, EVICT)
     else:
         _stage1_vec_routed(x_ptr, ids_ptr, rw_ptr, w13_ptr, s13_ptr, act_ptr, limit, s, nb, K, H, I, BN, BKW,
-                           INTERPRET, PDL, PAIRED, ACT_PACKED, X_PACKED, FENCE, TILE)
+                           INTERPRET, PDL, PAIRED, ACT_PACKED, X_PACKED, FENCE, TILE, EVICT)
 
 
 @triton.jit
 def _stage1_vec_routed(x_ptr, ids_ptr, rw_ptr, w13_ptr, s13_ptr, act_ptr, limit, s, nb,
                        K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, BN: tl.constexpr, BKW: tl.constexpr,
                        INTERPRET: tl.constexpr, PDL: tl.constexpr, PAIRED: tl.constexpr, ACT_PACKED: tl.constexpr,
-                       X_PACKED: tl.constexpr, FENCE: tl.constexpr, TILE: tl.constexpr):
+                       X_PACKED: tl.constexpr, FENCE: tl.constexpr, TILE: tl.constexpr, EVICT: tl.constexpr = ""):
     """mxfp4_moe_stage1_vec_kernel's routed programs: slot s, block nb."""
     pdl_wait(PDL)
     e = tl.load(ids_ptr + s).to(tl.int32)
@@ -870,8 +873,9 @@ def _stage1_vec_routed(x_ptr, ids_ptr, rw_ptr, w13_ptr, s13_ptr, act_ptr, limit,
     ws = ()
     ss = ()
     for k in tl.static_range(HW // BKW):  # gate then up rows of each step, all loads first
-        ws = ws + (tl.load(wg_ptr + k * BKW), tl.load(wg_ptr + (I * HW + k * BKW)))
-        ss = ss + (tl.load(sg_ptr + k * G), tl.load(sg_ptr + (I * HG + k * G)))
+        ws = ws + (tl.load(wg_ptr + k * BKW, eviction_policy=EVICT),
+                   tl.load(wg_ptr + (I * HW + k * BKW), eviction_policy=EVICT))
+        ss = ss + (tl.load(sg_ptr + k * G, eviction_policy=EVICT), tl.load(sg_ptr + (I * HG + k * G), eviction_policy=EVICT))
     if FENCE and not INTERPRET:
         _issue_fence()
     base = x_ptr + (s // K) * (H // 2 if X_PACKED else H)
@@ -902,7 +906,7 @@ def mxfp4_moe_stage2_vec_kernel(
     SH_GU: tl.constexpr = 0, SH_ROW: tl.constexpr = 0,
     res_ptr=None, nw_ptr=None, s_out_ptr=None, h_ptr=None, ssq_ptr=None, eps=0.0, h16_ptr=None, hd_ptr=None,
     NORM: tl.constexpr = False, F16: tl.constexpr = False, TILE: tl.constexpr = True,
-    SUM_AT_ONCE: tl.constexpr = False,
+    SUM_AT_ONCE: tl.constexpr = False, EVICT: tl.constexpr = "",
 ):
     """Stage 2 for one token per program (row block nb of BN output rows, slot s) in 16-byte loads, as
     mxfp4_moe_stage1_vec_kernel: every step's down weights and scales are loaded, fenced, and only then
@@ -915,13 +919,13 @@ def mxfp4_moe_stage2_vec_kernel(
         if s >= T * K:
             BSH: tl.constexpr = BN // SHARED
             _shared_down(sha_ptr, shw_ptr, shs_ptr, part_ptr + T * K * H, nb * BN + (s - T * K) * BSH, sh_limit, T,
-                         H, I, BSH, SH_BK, SH_GU, SH_ROW, PDL, FENCE and not INTERPRET)
+                         H, I, BSH, SH_BK, SH_GU, SH_ROW, PDL, FENCE and not INTERPRET, EVICT)
         else:
             _stage2_vec_routed(act_ptr, ids_ptr, w2_ptr, s2_ptr, part_ptr, s, rows, H, I, BN, BKW, INTERPRET, PDL,
-                               PAIRED, ACT_PACKED, FENCE, TILE)
+                               PAIRED, ACT_PACKED, FENCE, TILE, EVICT)
     else:
         _stage2_vec_routed(act_ptr, ids_ptr, w2_ptr, s2_ptr, part_ptr, s, rows, H, I, BN, BKW, INTERPRET, PDL,
-                           PAIRED, ACT_PACKED, FENCE, TILE)
+                           PAIRED, ACT_PACKED, FENCE, TILE, EVICT)
     _sum_slots(part_ptr, cnt_ptr, y_ptr, add_ptr, nb, rows, T, K, H, 1, BN, HAS_ADD, SHARED,
                (res_ptr, nw_ptr, s_out_ptr, h_ptr, ssq_ptr, eps, h16_ptr, hd_ptr), NORM, F16, INTERPRET, SUM_AT_ONCE)
 
@@ -929,7 +933,8 @@ def mxfp4_moe_stage2_vec_kernel(
 @triton.jit
 def _stage2_vec_routed(act_ptr, ids_ptr, w2_ptr, s2_ptr, part_ptr, s, rows, H: tl.constexpr, I: tl.constexpr,
                        BN: tl.constexpr, BKW: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
-                       PAIRED: tl.constexpr, ACT_PACKED: tl.constexpr, FENCE: tl.constexpr, TILE: tl.constexpr):
+                       PAIRED: tl.constexpr, ACT_PACKED: tl.constexpr, FENCE: tl.constexpr, TILE: tl.constexpr,
+                       EVICT: tl.constexpr = ""):
     """mxfp4_moe_stage2_vec_kernel's routed programs: slot s -> part[s, rows]."""
     IW: tl.constexpr = I // 8
     IG: tl.constexpr = I // 32
@@ -943,8 +948,8 @@ def _stage2_vec_routed(act_ptr, ids_ptr, w2_ptr, s2_ptr, part_ptr, s, rows, H: t
     ws = ()
     ss = ()
     for k in tl.static_range(IW // BKW):
-        ws = ws + (tl.load(w_ptr + k * BKW),)
-        ss = ss + (tl.load(sc_ptr + k * G),)
+        ws = ws + (tl.load(w_ptr + k * BKW, eviction_policy=EVICT),)
+        ss = ss + (tl.load(sc_ptr + k * G, eviction_policy=EVICT),)
     if FENCE and not INTERPRET:
         _issue_fence()
     pdl_wait(PDL)
@@ -1308,6 +1313,8 @@ class _Plan:
                          sha_ptr=act[-1], sh_limit=float(shared.limit))
         act = act.view(torch.bfloat16) if self.meta1["ACT_PACKED"] else act  # the fp32 workspace, reused
         kernel = mxfp4_moe_stage1_vec_kernel if self.vec1 else mxfp4_moe_stage1_kernel
+        if self.vec1 and weight_eviction(1):
+            extra["EVICT"] = weight_eviction(1)
         kernel[self.grid1](x, ids, rw, w13_i32, s13, act, limit, **self.meta1, **extra, **pdl_args(x.device))
 
     def stage2(self, act, ids, w2_i32, s2, part, count, out, add=None, shared: SharedExpert | None = None,
@@ -1320,6 +1327,8 @@ class _Plan:
             extra.update(shw_ptr=shared.down, shs_ptr=shared.down_scale, sha_ptr=src, sh_limit=float(shared.limit))
         act = act.view(torch.int32) if self.meta2["ACT_PACKED"] else act
         kernel = mxfp4_moe_stage2_vec_kernel if self.vec2 else mxfp4_moe_stage2_kernel
+        if self.vec2 and weight_eviction(1):
+            extra["EVICT"] = weight_eviction(1)
         kernel[self.grid2](act, ids, w2_i32, s2, part, count, out, out if add is None else add,
                            HAS_ADD=add is not None, **self.meta2, **extra, **pdl_args(act.device))
 

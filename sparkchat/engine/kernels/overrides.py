@@ -42,3 +42,14 @@ def tail_at_once() -> int:
     projection's fused add+norm and its norm: slower in the verify, 16.0 -> 18.9 µs exposed a call, and
     removed.)"""
     return int(os.environ.get("SPARKCHAT_TAIL_AT_ONCE", "6"))
+
+
+def weight_eviction(kind: int) -> str:
+    """The L2 eviction hint for one kind of weight stream (tl.load's eviction_policy): "evict_first" when
+    bit `kind` of SPARKCHAT_WEIGHT_EVICT is set — 1: the one-token MoE stages' expert weights (routed and
+    shared), 2: the GEMVs' weights (the FP8 linears and head, the router's BF16 logits) — else "" (the
+    default policy). Weights are read once a step, so marking them first out keeps L2 for what is read
+    again: the L2 prefetch's lines (router.route's `l2_prefetch`), partial sums, activations. Off by
+    default until timed in the step."""
+    value = os.environ.get("SPARKCHAT_WEIGHT_EVICT", "0")
+    return "evict_first" if value.isdigit() and int(value) & kind else ""
