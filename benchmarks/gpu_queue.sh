@@ -257,13 +257,16 @@ l2pace() {
         | tee "$OUT/loop-decode-l2.txt"
 }
 
-evict() {  # session 36: the weight streams marked evict_first in L2 (overrides.weight_eviction), bits 1 MoE, 2 GEMVs
-    SPARKCHAT_WEIGHT_EVICT=3 timeout 200 python3 -m pytest -q tests/test_kernels.py tests/test_router_kernel.py \
-        -k "vectorized or shared_expert or fp8_block_gemv_gpu or fp8_head_gpu or router" 2>&1 | tail -5 \
+evict() {  # session 36: weight streams marked evict_first in L2 (overrides.weight_eviction: bits 1 MoE, 2 GEMVs),
+    # and MLA's split over more, smaller programs (SPARKCHAT_MLA_CONFIG: 16 heads a tile, 2 tiles a token)
+    SPARKCHAT_WEIGHT_EVICT=3 timeout 150 python3 -m pytest -q tests/test_kernels.py tests/test_router_kernel.py \
+        -k "vectorized or shared_expert or fp8_block_gemv_gpu or fp8_head_gpu or router" 2>&1 | tail -3 \
         | tee "$OUT/evict-kernel-tests.txt"
-    timeout 380 python3 benchmarks/profile_step.py --rounds 3 \
+    SPARKCHAT_MLA_CONFIG=1.block_m:16/1.warps:4 timeout 60 python3 -m pytest -q tests/test_mla_kernel.py -k cuda \
+        2>&1 | tail -3 | tee "$OUT/mla-config-tests.txt"
+    timeout 400 python3 benchmarks/profile_step.py --rounds 3 \
         --switch SPARKCHAT_WEIGHT_EVICT=1,2,3 \
-        --switch SPARKCHAT_WEIGHT_EVICT=3+SPARKCHAT_L2_PREFETCH_MB=12 2>&1 | tee "$OUT/ab-evict.txt"
+        --switch SPARKCHAT_MLA_CONFIG=1.block_m:16,1.block_m:16/1.warps:4 2>&1 | tee "$OUT/ab-evict-mla.txt"
 }
 
 bench() {

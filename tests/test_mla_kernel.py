@@ -14,6 +14,7 @@ within the twin's own error of it plus 3 units of the twin.
 from __future__ import annotations
 
 import importlib.util
+from dataclasses import replace
 
 import pytest
 import torch
@@ -220,3 +221,24 @@ def test_default_config_fits_the_devices_shared_memory(monkeypatch):
         monkeypatch.setattr(mla, "max_shared_memory", lambda device, limit=limit: limit)
         cfg = mla.default_config(torch.device("cuda"), 512, 64)
         assert cfg.block_n == want, (limit, cfg.block_n)
+
+
+def test_mla_config_overrides_take_one_window_size_and_refuse_typos(monkeypatch):
+    """SPARKCHAT_MLA_CONFIG sets MlaDecodeConfig fields for the steps of one window size (profile_step
+    --switch times them in the graphed step); a field the config lacks is refused, naming the variable."""
+    pytest.importorskip("triton")
+    import sparkchat.engine.kernels.mla_decode as mla
+
+    monkeypatch.setattr(mla, "max_shared_memory", lambda device: 232448)
+    monkeypatch.setenv("SPARKCHAT_MLA_CONFIG", "1.block_m:16/1.warps:4/4.block_n:32")
+    one = mla.default_config(torch.device("cuda"), 512, 64, 1)
+    four = mla.default_config(torch.device("cuda"), 512, 64, 4)
+    assert (one.block_m, one.warps, one.block_n) == (16, 4, 64)
+    assert (four.block_m, four.warps, four.block_n) == (32, 8, 32)
+    # on a 132-SM GPU at a 1K bucket: 2 tiles of 16 heads, 16 splits of 64 rows each (32 programs, not 16)
+    assert mla.num_splits(1, 32, 1024, torch.device("cpu"), replace(one, programs=132)) == 16
+    monkeypatch.setenv("SPARKCHAT_MLA_CONFIG", "1.blockm:16")
+    with pytest.raises(ValueError, match="SPARKCHAT_MLA_CONFIG"):
+        mla.default_config(torch.device("cuda"), 512, 64, 1)
+    monkeypatch.setenv("SPARKCHAT_MLA_CONFIG", "0")
+    assert mla.default_config(torch.device("cuda"), 512, 64, 1) == mla.MlaDecodeConfig()

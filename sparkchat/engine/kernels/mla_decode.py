@@ -34,6 +34,7 @@ import triton
 import triton.language as tl
 
 from sparkchat.engine.kernels.device import interpreting, max_shared_memory
+from sparkchat.engine.kernels.overrides import field_overrides
 from sparkchat.engine.kernels.pdl import pdl_args, pdl_wait
 
 
@@ -309,9 +310,17 @@ def split_smem_estimate(block_m: int, block_n: int, stages: int, rank: int, rope
     return stages * block_n * (rank + rope) * 2 + block_m * rank * 2
 
 
-def default_config(device: torch.device, rank: int, rope: int) -> MlaDecodeConfig:
-    """MlaDecodeConfig() with block_n halved until the split kernel fits `device`'s shared memory."""
-    cfg = MlaDecodeConfig()
+def config_overrides(T: int) -> dict:
+    """SPARKCHAT_MLA_CONFIG: MlaDecodeConfig fields for T-token steps, `<T>.<field>:<value>` joined by `/`
+    (e.g. `1.block_m:16/1.warps:4`), for timing launch shapes inside the graphed step (profile_step
+    --switch). "0" or unset: none."""
+    return field_overrides("SPARKCHAT_MLA_CONFIG", MlaDecodeConfig, str(T), str.isdigit, "<T>")
+
+
+def default_config(device: torch.device, rank: int, rope: int, T: int = 1) -> MlaDecodeConfig:
+    """MlaDecodeConfig() (with SPARKCHAT_MLA_CONFIG's fields for T tokens) with block_n halved until the
+    split kernel fits `device`'s shared memory."""
+    cfg = replace(MlaDecodeConfig(), **config_overrides(T))
     cfg = replace(cfg, combine=int(os.environ.get("SPARKCHAT_MLA_COMBINE", str(cfg.combine))))
     limit = max_shared_memory(device)
     block_n = cfg.block_n
@@ -350,7 +359,7 @@ def mla_decode_step(q: torch.Tensor, kv_a: torch.Tensor, g: torch.Tensor, cos: t
     T = q.shape[0]
     H, _, R = w_kv.shape
     P = rope_cache.shape[1]
-    cfg = config or default_config(q.device, R, P)
+    cfg = config or default_config(q.device, R, P, T)
     V = w_kv.shape[1] - nope
     assert 1 <= T <= 8, "decode and verify windows only (prefill expands the latents)"
     assert q.shape[1] == H * (nope + P) and kv_a.shape[1] == R + P and g.shape[1] == H, "shapes disagree"
