@@ -19,8 +19,11 @@ shared expert's side stream (engine/streams.py) and the MoE's bf16x2 products (k
 all on, each off alone, and all off.
 With --knockout it times the graphed step and the 4-token verify with parts of every MoE layer taken
 out (the shared expert; the router, replaced by fixed ids) or moved (the shared expert on the main
-stream, or joined only after the routed experts): what each part costs on the step's critical path,
-with PDL and the side stream hiding what they can. The outputs are wrong, the times not.
+stream, or joined only after the routed experts), or every KDA layer's last-program tail (the output
+norm and the q/k conv state write: its arrival counters start too high for any program to be last):
+what each part costs on the step's critical path, with PDL and the side stream hiding what they can.
+The outputs are wrong, the times not. --knockout-only KEY,... times some of them (keys: everything,
+no-shared, no-router, neither, shared-main, shared-late, no-kda-tail).
 With --loop-switch NAME[=VALUE] it alternates one environment switch (VALUE or 1, then 0) in the real
 speculative loop (generate_tokens, greedy, 3 drafts, the 32K-row draft head, a 1000-token prompt) and prints the
 time a cycle (with --loop-temperature T it samples at T; with --loop-drafts 0 it decodes without MTP,
@@ -57,6 +60,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="--switch: rounds of on, off")
     ap.add_argument("--ab", action="store_true", help="time PDL, the side stream and packed MoE products on and off")
     ap.add_argument("--knockout", action="store_true", help="time the step without the shared expert / router")
+    ap.add_argument("--knockout-only", default=None, help="--knockout: these variants only (comma-separated keys)")
+    ap.add_argument("--knockout-rounds", type=int, default=2, help="--knockout: rounds over the variants")
     ap.add_argument("--loop-switch", default=None, help="alternate this env switch 1/0 in the real MTP loop")
     ap.add_argument("--loop-sampling", action="store_true", help="the real MTP loop greedy and sampled, alternated")
     ap.add_argument("--loop-temperature", type=float, default=0.0, help="--loop-switch: sample at this temperature")
@@ -79,7 +84,7 @@ def main() -> None:
             alternate(model, state, switch, args.rounds)
         return
     if args.knockout:
-        knockout(model, state)
+        knockout(model, state, args.knockout_rounds, args.knockout_only.split(",") if args.knockout_only else None)
         return
     if args.loop_switch:
         alternate_loop(model, state, args.loop_switch, args.loop_rounds, temperature=args.loop_temperature,
@@ -376,10 +381,23 @@ def logits_agreement(a: torch.Tensor, b: torch.Tensor) -> str:
     return f"{T} tokens: max diff {100 * rel:.1f}% of scale, argmax {same}/{T}"
 
 
-def knockout(model, state: ConversationState, rounds: int = 2) -> None:
-    """The graphed step and verify with every MoE layer's shared expert and/or router taken out."""
+KNOCKOUTS = {  # key: (label, shared expert "on" / "off" / "main" stream / "late" join, router on, KDA tail on)
+    "everything": ("everything", "on", True, True),
+    "no-shared": ("no shared expert", "off", True, True),
+    "no-router": ("fixed routing (no router)", "on", False, True),
+    "neither": ("neither", "off", False, True),
+    "shared-main": ("shared expert on the main stream", "main", True, True),
+    "shared-late": ("shared expert joined late", "late", True, True),
+    "no-kda-tail": ("no KDA last-program tail", "on", True, False),
+}
+
+
+def knockout(model, state: ConversationState, rounds: int = 2, only: list[str] | None = None) -> None:
+    """The graphed step and verify with every MoE layer's shared expert and/or router taken out, or every
+    KDA layer's last-program tail (`only`: those KNOCKOUTS keys)."""
     import types
 
+    from sparkchat.engine.kernels.counters import arrival_counters
     from sparkchat.engine.nn.moe import MoE
     from sparkchat.engine.nn.ops import ops
     from sparkchat.engine.streams import fork
@@ -402,23 +420,27 @@ def knockout(model, state: ConversationState, rounds: int = 2) -> None:
         join()
         return out if add_norm is None else add_norm[1].add_norm(add_norm[0], out)
 
-    # (shared expert: "on" / "off" / "main" stream / "late" join, router on)
-    variants = {"everything": ("on", True), "no shared expert": ("off", True),
-                "fixed routing (no router)": ("on", False), "neither": ("off", False),
-                "shared expert on the main stream": ("main", True),
-                "shared expert joined late": ("late", True)}
+    unknown = set(only or ()) - set(KNOCKOUTS)
+    if unknown:
+        raise SystemExit(f"--knockout-only: unknown {sorted(unknown)} (keys: {', '.join(KNOCKOUTS)})")
+    # the KDA kernel's per-head arrival counters (kernels/counters.py): far above any count a launch reaches,
+    # no program is the head's last, so none normalizes o or writes the q/k conv state
+    kda_counters = arrival_counters("kda_decode", torch.device("cuda"), cfg.num_attention_heads)
     for _ in range(rounds):
-        for label, (how, router) in variants.items():
+        for key in only or KNOCKOUTS:
+            label, how, router, kda_tail = KNOCKOUTS[key]
             for m, shared, side in layers:
                 m.shared_experts, m.side_stream = {"off": (None, None), "main": (shared, None)}.get(how, (shared, side))
                 m.forward = types.MethodType(late_join, m) if how == "late" else types.MethodType(MoE.forward, m)
             ops.route = real_route if router else fixed_route
+            kda_counters.fill_(0 if kda_tail else 1 << 24)
             print(f"{label:<34} graph decode step: {graph_step_ms(model, state):.3f} ms, "
                   f"verify of 4: {graph_step_ms(model, state, tokens=4):.3f} ms", flush=True)
     for m, shared, side in layers:
         m.shared_experts, m.side_stream = shared, side
         del m.forward
     ops.route = real_route
+    kda_counters.fill_(0)
 
 
 def alternate_loop(model, state: ConversationState, name: str | None, rounds: int = 3, rows: int = 32768,
