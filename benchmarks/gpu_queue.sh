@@ -2,7 +2,7 @@
 # The GPU runs waiting for a development GPU, as named batches, so a lent machine starts on them at once.
 #
 #   bash benchmarks/gpu_queue.sh wheels        # here (with package registries): the wheels the GPU box lacks
-#   bash benchmarks/gpu_queue.sh quick|qbench|gemvs|verify|pipeline|sampled|handoff|decode|tails|verify4|race|first|ab|tests|configs|l2|l2check|l2pace|evict|kdatail|bench|load   # on the GPU box, logs under $OUT (default ./gpu-out)
+#   bash benchmarks/gpu_queue.sh quick|qbench|gemvs|verify|pipeline|sampled|handoff|decode|tails|verify4|race|first|ab|tests|configs|l2|l2check|l2pace|evict|kdatail|s36|bench|load   # on the GPU box, logs under $OUT (default ./gpu-out)
 #
 # The GPU box has torch, triton and transformers, but not this project's other dependencies, nor the
 # transformers the tiny test models need (5.24), and it cannot fetch: `wheels` downloads them into .whl2/
@@ -274,6 +274,17 @@ kdatail() {  # session 36: what KDA's last-program tail (the output norm, the q/
         --knockout-rounds 3 2>&1 | tee "$OUT/knockout-kda-tail.txt"
 }
 
+s36() {  # session 36's first look, when device time is short: the kernel tests, then each candidate 2 rounds
+    SPARKCHAT_WEIGHT_EVICT=3 timeout 120 python3 -m pytest -q tests/test_kernels.py tests/test_router_kernel.py \
+        -k "vectorized or shared_expert or fp8_block_gemv_gpu or fp8_head_gpu or router" 2>&1 | tail -3 \
+        | tee "$OUT/evict-kernel-tests.txt"
+    SPARKCHAT_MLA_CONFIG=1.block_m:16/1.warps:4 timeout 60 python3 -m pytest -q tests/test_mla_kernel.py -k cuda \
+        2>&1 | tail -3 | tee "$OUT/mla-config-tests.txt"
+    timeout 240 python3 benchmarks/profile_step.py --rounds 2 --switch SPARKCHAT_WEIGHT_EVICT=3 \
+        --switch SPARKCHAT_MLA_CONFIG=1.block_m:16,1.block_m:16/1.warps:4 2>&1 | tee "$OUT/ab-evict-mla.txt"
+    kdatail
+}
+
 bench() {
     timeout 300 python3 -m sparkchat bench --context 1024 --iters 20 2>&1 | tee "$OUT/bench.txt"
     timeout 120 python3 benchmarks/profile_step.py --timeline 2>&1 | tee "$OUT/timeline.txt"
@@ -288,6 +299,6 @@ load() {  # the checkpoint reader to the GPU: mmap vs plain reads, and the page 
 
 case "${1:-}" in
     wheels) wheels ;;
-    quick|qbench|gemvs|verify|pipeline|sampled|handoff|decode|tails|verify4|race|first|ab|tests|configs|l2|l2check|l2pace|evict|kdatail|bench|load) install_wheels; "$1" ;;
-    *) echo "usage: $0 wheels|quick|qbench|gemvs|verify|pipeline|sampled|handoff|decode|tails|verify4|race|first|ab|tests|configs|l2|l2check|l2pace|evict|kdatail|bench|load" >&2; exit 2 ;;
+    quick|qbench|gemvs|verify|pipeline|sampled|handoff|decode|tails|verify4|race|first|ab|tests|configs|l2|l2check|l2pace|evict|kdatail|s36|bench|load) install_wheels; "$1" ;;
+    *) echo "usage: $0 wheels|quick|qbench|gemvs|verify|pipeline|sampled|handoff|decode|tails|verify4|race|first|ab|tests|configs|l2|l2check|l2pace|evict|kdatail|s36|bench|load" >&2; exit 2 ;;
 esac
