@@ -274,18 +274,19 @@ kdatail() {  # session 36: what KDA's last-program tail (the output norm, the q/
         --knockout-rounds 3 2>&1 | tee "$OUT/knockout-kda-tail.txt"
 }
 
-s36() {  # session 36's first look, when device time is short: the kernel tests, then each candidate 2 rounds
-    # (on an H200 the paced L2 prefetch too: its default on sm_90 was timed on H100s only)
+s36() {  # session 36's first look, when device time is short: each candidate 2 rounds in the graphed step (its
+    # logits against off check it too), KDA's tail knocked out, then the kernel tests (on an H200 the paced L2
+    # prefetch as well: its default on sm_90 was timed on H100s only)
     local sw="--switch SPARKCHAT_WEIGHT_EVICT=3 --switch SPARKCHAT_MLA_CONFIG=1.block_m:16,1.block_m:16/1.warps:4"
     nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && sw="--switch SPARKCHAT_L2_PREFETCH_MB=8 $sw"
+    # shellcheck disable=SC2086
+    timeout 250 python3 benchmarks/profile_step.py --rounds 2 $sw 2>&1 | tee "$OUT/ab-evict-mla.txt"
+    timeout 110 python3 benchmarks/profile_step.py --knockout --knockout-only everything,no-kda-tail \
+        --knockout-rounds 2 2>&1 | tee "$OUT/knockout-kda-tail.txt"
     SPARKCHAT_WEIGHT_EVICT=3 timeout 110 python3 -m pytest -q tests/test_kernels.py \
         -k "vectorized or shared_expert or fp8_block_gemv_gpu" 2>&1 | tail -3 | tee "$OUT/evict-kernel-tests.txt"
     SPARKCHAT_MLA_CONFIG=1.block_m:16/1.warps:4 timeout 60 python3 -m pytest -q tests/test_mla_kernel.py -k cuda \
         2>&1 | tail -3 | tee "$OUT/mla-config-tests.txt"
-    # shellcheck disable=SC2086
-    timeout 260 python3 benchmarks/profile_step.py --rounds 2 $sw 2>&1 | tee "$OUT/ab-evict-mla.txt"
-    timeout 120 python3 benchmarks/profile_step.py --knockout --knockout-only everything,no-kda-tail \
-        --knockout-rounds 2 2>&1 | tee "$OUT/knockout-kda-tail.txt"
 }
 
 bench() {
