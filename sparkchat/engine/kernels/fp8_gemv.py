@@ -33,7 +33,7 @@ from sparkchat.engine.kernels.pdl import pdl_args, pdl_wait
 @triton.jit
 def _gemv_weights(w_ptr, s_ptr, r0, k0, sub, kk, N: tl.constexpr, K: tl.constexpr, KB: tl.constexpr,
                   BN: tl.constexpr, RS: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
-                  SCALE: tl.constexpr, EVICT: tl.constexpr = ""):
+                  SCALE: tl.constexpr, EVICT: tl.constexpr):
     """Raw fp8 tiles [BN, BK] of the RS row tiles at k0, and (block scales) the scale of each column
     (the RS tiles sit in one 128-row scale block). Constant data: loadable before pdl_wait."""
     cols = k0 + kk
@@ -100,7 +100,7 @@ def _gemv_loads(x_ptr, w_ptr, s_ptr, r0, k0, sub, kk, T: tl.constexpr, N: tl.con
                 EVEN_K: tl.constexpr, SCALE: tl.constexpr, XS: tl.constexpr, XU: tl.constexpr,
                 X_SWIGLU: tl.constexpr, lim, xn=(), XN: tl.constexpr = False, XN_WRITE: tl.constexpr = True,
                 XN_HX: tl.constexpr = False, INTERPRET: tl.constexpr = False, hx_ptr=None,
-                EVICT: tl.constexpr = ""):
+                EVICT: tl.constexpr = None):
     """One k step's weight tiles and scaled activation chunks."""
     ws, sc = _gemv_weights(w_ptr, s_ptr, r0, k0, sub, kk, N, K, KB, BN, RS, EVEN_N, EVEN_K, SCALE, EVICT)
     xs = _gemv_acts(x_ptr, sc, k0, kk, T, K, EVEN_K, SCALE, XS, XU, X_SWIGLU, lim, xn, XN, XN_WRITE, XN_HX,

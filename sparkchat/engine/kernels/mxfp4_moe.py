@@ -431,7 +431,7 @@ def mxfp4_moe_stage1_kernel(
     PAIRED: tl.constexpr = False, ACT_PACKED: tl.constexpr = False, X_PACKED: tl.constexpr = False,
     PRELOAD: tl.constexpr = False,
     xs_ptr=None, shw_ptr=None, shs_ptr=None, sha_ptr=None, sh_limit=0.0,
-    SHARED: tl.constexpr = 0, SH_UP: tl.constexpr = 0, SH_BK: tl.constexpr = 0,
+    SHARED: tl.constexpr = 0, SH_UP: tl.constexpr = 0, SH_BK: tl.constexpr = 0, EVICT: tl.constexpr = "",
 ):
     """ACT_PACKED: act_ptr is bf16, written as _store_packed lays it out for stage 2 (PACKED only).
     X_PACKED (PACKED only): x_ptr is int32 [T, H/2], x already as the bf16x2 words _pack_x builds, in
@@ -445,7 +445,7 @@ def mxfp4_moe_stage1_kernel(
         if s >= T * K:
             BSH: tl.constexpr = RS * BN // SHARED
             _shared_gate_up(xs_ptr, shw_ptr, shs_ptr, sha_ptr, sh_limit, nb * (RS * BN) + (s - T * K) * BSH, H,
-                            SH_UP, BSH, SH_BK, PDL, not INTERPRET)
+                            SH_UP, BSH, SH_BK, PDL, not INTERPRET, EVICT)
         else:
             _stage1_routed(x_ptr, ids_ptr, rw_ptr, w13_ptr, s13_ptr, act_ptr, limit, s, nb, T, K, H, I, BN, RS, BKW,
                            UNROLL, NT, K_PAD, S_PAD, DEDUPE, PREFETCH, PACKED, INTERPRET, PDL, PAIRED, ACT_PACKED,
@@ -514,6 +514,7 @@ def mxfp4_moe_stage2_kernel(
     SH_GU: tl.constexpr = 0, SH_ROW: tl.constexpr = 0,
     res_ptr=None, nw_ptr=None, s_out_ptr=None, h_ptr=None, ssq_ptr=None, eps=0.0, h16_ptr=None, hd_ptr=None,
     NORM: tl.constexpr = False, F16: tl.constexpr = False, SUM_AT_ONCE: tl.constexpr = False,
+    EVICT: tl.constexpr = "",
 ):
     """With PDL, the expert ids (written by the router, two or more kernels back) and the first step's
     weights are read before pdl_wait: the down weights start streaming during stage 1's tail.
@@ -529,7 +530,7 @@ def mxfp4_moe_stage2_kernel(
         if s >= T * K:
             BSH: tl.constexpr = RS * BN // SHARED
             _shared_down(sha_ptr, shw_ptr, shs_ptr, part_ptr + T * K * H, nb * (RS * BN) + (s - T * K) * BSH,
-                         sh_limit, T, H, I, BSH, SH_BK, SH_GU, SH_ROW, PDL, not INTERPRET)
+                         sh_limit, T, H, I, BSH, SH_BK, SH_GU, SH_ROW, PDL, not INTERPRET, EVICT)
         else:
             _stage2_routed(act_ptr, ids_ptr, w2_ptr, s2_ptr, part_ptr, s, nb, rows, T, K, H, I, BN, RS, BKW, UNROLL,
                            NT, K_PAD, S_PAD, DEDUPE, PREFETCH, PACKED, INTERPRET, PDL, PAIRED, ACT_PACKED, PRELOAD)
@@ -676,7 +677,7 @@ def _issue_fence():
 
 @triton.jit
 def _fp8_rows_preload(w_ptr, s_ptr, r0, K: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr,
-                      EVICT: tl.constexpr = ""):
+                      EVICT: tl.constexpr):
     """Rows [r0, r0 + BS) of an FP8 weight [*, K] with 128 x 128 block scales s [*, ceil(K / 128)]: every
     step's [BS, BK] tile and the block scale of each 16-column vector [BK // 16], loaded up front (the
     rows lie in one 128-row block: BS divides 128 and r0 is a multiple of BS)."""
@@ -743,7 +744,7 @@ def _shared_programs_first(S: tl.constexpr, SHARED: tl.constexpr):
 @triton.jit
 def _shared_gate_up(x_ptr, w_ptr, s_ptr, act_ptr, limit, r0, H: tl.constexpr, UP: tl.constexpr,
                     BS: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr, FENCE: tl.constexpr,
-                    EVICT: tl.constexpr = ""):
+                    EVICT: tl.constexpr):
     """Stage 1's shared-expert programs (MoE with `shared`): one token's gate rows [r0, r0 + BS) of the
     shared expert's fused FP8 gate|up weight and the matching up rows (at row UP + r), then the SwiGLU ->
     act_ptr[r0 : r0 + BS] fp32, rounded as the shared MLP's own kernels round it (its gate|up output to
@@ -767,7 +768,7 @@ def _shared_gate_up(x_ptr, w_ptr, s_ptr, act_ptr, limit, r0, H: tl.constexpr, UP
 @triton.jit
 def _shared_down(act_ptr, w_ptr, s_ptr, out_ptr, r0, limit, T: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
                  BS: tl.constexpr, BK: tl.constexpr, GU: tl.constexpr, GU_ROW: tl.constexpr, PDL: tl.constexpr,
-                 FENCE: tl.constexpr, EVICT: tl.constexpr = ""):
+                 FENCE: tl.constexpr, EVICT: tl.constexpr):
     """Stage 2's shared-expert programs: rows [r0, r0 + BS) of the shared expert's FP8 down projection, its
     weights and scales loaded before the PDL wait, then each of the T tokens' act -> out_ptr[t, r0 : r0 +
     BS] (rows of H) fp32, holding the bf16 the down GEMV would give (_sum_slots adds it). The act: stage
@@ -854,7 +855,7 @@ def mxfp4_moe_stage1_vec_kernel(
 def _stage1_vec_routed(x_ptr, ids_ptr, rw_ptr, w13_ptr, s13_ptr, act_ptr, limit, s, nb,
                        K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, BN: tl.constexpr, BKW: tl.constexpr,
                        INTERPRET: tl.constexpr, PDL: tl.constexpr, PAIRED: tl.constexpr, ACT_PACKED: tl.constexpr,
-                       X_PACKED: tl.constexpr, FENCE: tl.constexpr, TILE: tl.constexpr, EVICT: tl.constexpr = ""):
+                       X_PACKED: tl.constexpr, FENCE: tl.constexpr, TILE: tl.constexpr, EVICT: tl.constexpr):
     """mxfp4_moe_stage1_vec_kernel's routed programs: slot s, block nb."""
     pdl_wait(PDL)
     e = tl.load(ids_ptr + s).to(tl.int32)
@@ -934,7 +935,7 @@ def mxfp4_moe_stage2_vec_kernel(
 def _stage2_vec_routed(act_ptr, ids_ptr, w2_ptr, s2_ptr, part_ptr, s, rows, H: tl.constexpr, I: tl.constexpr,
                        BN: tl.constexpr, BKW: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
                        PAIRED: tl.constexpr, ACT_PACKED: tl.constexpr, FENCE: tl.constexpr, TILE: tl.constexpr,
-                       EVICT: tl.constexpr = ""):
+                       EVICT: tl.constexpr):
     """mxfp4_moe_stage2_vec_kernel's routed programs: slot s -> part[s, rows]."""
     IW: tl.constexpr = I // 8
     IG: tl.constexpr = I // 32
