@@ -1207,10 +1207,15 @@ def test_gemv_config_overrides_take_one_shape_and_refuse_typos(monkeypatch):
 
 
 def test_weight_eviction_reads_one_bit_a_kind_of_stream(monkeypatch):
+    from sparkchat.engine.kernels import overrides
     from sparkchat.engine.kernels.overrides import weight_eviction
 
     monkeypatch.delenv("SPARKCHAT_WEIGHT_EVICT", raising=False)
-    assert weight_eviction(1) == weight_eviction(2) == ""  # off by default
+    assert weight_eviction(1) == weight_eviction(2, torch.device("cpu")) == ""  # unset: off but on sm_90
+    monkeypatch.setattr(overrides, "_is_sm90", lambda device: True)
+    assert weight_eviction(1, torch.device("cuda")) == weight_eviction(2, torch.device("cuda")) == "evict_first"
+    monkeypatch.setenv("SPARKCHAT_WEIGHT_EVICT", "0")  # profile_step's "off"
+    assert weight_eviction(1, torch.device("cuda")) == weight_eviction(2, torch.device("cuda")) == ""
     monkeypatch.setenv("SPARKCHAT_WEIGHT_EVICT", "1")
     assert (weight_eviction(1), weight_eviction(2)) == ("evict_first", "")
     monkeypatch.setenv("SPARKCHAT_WEIGHT_EVICT", "2")
@@ -1218,4 +1223,4 @@ def test_weight_eviction_reads_one_bit_a_kind_of_stream(monkeypatch):
     monkeypatch.setenv("SPARKCHAT_WEIGHT_EVICT", "3")
     assert weight_eviction(1) == weight_eviction(2) == "evict_first"
     monkeypatch.setenv("SPARKCHAT_WEIGHT_EVICT", "first")  # not a number: off, never an unknown policy
-    assert weight_eviction(1) == ""
+    assert weight_eviction(1, torch.device("cuda")) == ""

@@ -1314,8 +1314,8 @@ class _Plan:
                          sha_ptr=act[-1], sh_limit=float(shared.limit))
         act = act.view(torch.bfloat16) if self.meta1["ACT_PACKED"] else act  # the fp32 workspace, reused
         kernel = mxfp4_moe_stage1_vec_kernel if self.vec1 else mxfp4_moe_stage1_kernel
-        if self.vec1 and weight_eviction(1):
-            extra["EVICT"] = weight_eviction(1)
+        if self.vec1 and weight_eviction(1, x.device):
+            extra["EVICT"] = weight_eviction(1, x.device)
         kernel[self.grid1](x, ids, rw, w13_i32, s13, act, limit, **self.meta1, **extra, **pdl_args(x.device))
 
     def stage2(self, act, ids, w2_i32, s2, part, count, out, add=None, shared: SharedExpert | None = None,
@@ -1328,8 +1328,8 @@ class _Plan:
             extra.update(shw_ptr=shared.down, shs_ptr=shared.down_scale, sha_ptr=src, sh_limit=float(shared.limit))
         act = act.view(torch.int32) if self.meta2["ACT_PACKED"] else act
         kernel = mxfp4_moe_stage2_vec_kernel if self.vec2 else mxfp4_moe_stage2_kernel
-        if self.vec2 and weight_eviction(1):
-            extra["EVICT"] = weight_eviction(1)
+        if self.vec2 and weight_eviction(1, act.device):
+            extra["EVICT"] = weight_eviction(1, act.device)
         kernel[self.grid2](act, ids, w2_i32, s2, part, count, out, out if add is None else add,
                            HAS_ADD=add is not None, **self.meta2, **extra, **pdl_args(act.device))
 

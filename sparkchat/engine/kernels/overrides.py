@@ -1,13 +1,16 @@
 """Kernel config fields from an environment variable, for timing configs where they run (the graphed
 step, through benchmarks/profile_step.py --switch NAME=V1,V2): items `<key>.<field>:<value>` joined by
 `/` (profile_step lists values with commas), the key naming the call shape they apply to; and the
-kernel switches read by more than one kernel module (tail_at_once)."""
+kernel switches read by more than one kernel module (tail_at_once, weight_eviction)."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from collections.abc import Callable
+
+import torch
 
 
 def field_overrides(variable: str, config_cls: type, key: str, key_ok: Callable[[str], bool],
@@ -44,12 +47,26 @@ def tail_at_once() -> int:
     return int(os.environ.get("SPARKCHAT_TAIL_AT_ONCE", "6"))
 
 
-def weight_eviction(kind: int) -> str:
-    """The L2 eviction hint for one kind of weight stream (tl.load's eviction_policy): "evict_first" when
-    bit `kind` of SPARKCHAT_WEIGHT_EVICT is set — 1: the one-token MoE stages' expert weights (routed and
-    shared), 2: the GEMVs' weights (the FP8 linears and head, the router's BF16 logits) — else "" (the
-    default policy). Weights are read once a step, so marking them first out keeps L2 for what is read
-    again: the L2 prefetch's lines (router.route's `l2_prefetch`), partial sums, activations. Off by
-    default until timed in the step."""
-    value = os.environ.get("SPARKCHAT_WEIGHT_EVICT", "0")
-    return "evict_first" if value.isdigit() and int(value) & kind else ""
+def weight_eviction(kind: int, device: torch.device | None = None) -> str:
+    """The L2 eviction hint for one kind of weight stream on `device` (tl.load's eviction_policy):
+    "evict_first" when bit `kind` of SPARKCHAT_WEIGHT_EVICT is set — 1: the one-token MoE stages' expert
+    weights (routed and shared), 2: the GEMVs' weights (the FP8 linears and head, the router's BF16
+    logits) — else "" (the default policy). Unset: both on sm_90 GPUs (the H100 and H200), neither
+    elsewhere. Weights are read once a step, so marking them first out keeps L2 for what is read again:
+    the paced L2 prefetch's lines (router.route's `l2_prefetch`, sm_90 only), partial sums, activations.
+    The H100's graphed step 2.448 -> 2.396 ms, the logits bit for bit the same (docs/benchmarks.md
+    session 36); the DGX Spark (sm_121) stays off until measured there."""
+    value = os.environ.get("SPARKCHAT_WEIGHT_EVICT")
+    if value is None:
+        bits = DEFAULT_WEIGHT_EVICT if device is not None and _is_sm90(torch.device(device)) else 0
+    else:
+        bits = int(value) if value.isdigit() else 0
+    return "evict_first" if bits & kind else ""
+
+
+DEFAULT_WEIGHT_EVICT = 3
+
+
+@functools.cache
+def _is_sm90(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
