@@ -2,7 +2,7 @@
 # The GPU runs waiting for a development GPU, as named batches, so a lent machine starts on them at once.
 #
 #   bash benchmarks/gpu_queue.sh wheels        # here (with package registries): the wheels the GPU box lacks
-#   bash benchmarks/gpu_queue.sh quick|qbench|gemvs|verify|pipeline|sampled|handoff|decode|tails|verify4|race|first|ab|tests|configs|l2|l2check|l2pace|evict|kdatail|s36|bench|load   # on the GPU box, logs under $OUT (default ./gpu-out)
+#   bash benchmarks/gpu_queue.sh quick|qbench|gemvs|verify|pipeline|sampled|handoff|decode|tails|verify4|race|first|ab|tests|configs|l2|l2check|l2pace|evict|kdatail|s36|evict2|bench|load   # on the GPU box, logs under $OUT (default ./gpu-out)
 #
 # The GPU box has torch, triton and transformers, but not this project's other dependencies, nor the
 # transformers the tiny test models need (5.24), and it cannot fetch: `wheels` downloads them into .whl2/
@@ -289,6 +289,16 @@ s36() {  # session 36's first look, when device time is short: each candidate 2 
         2>&1 | tail -3 | tee "$OUT/mla-config-tests.txt"
 }
 
+evict2() {  # next: each eviction bit alone (against none), then the prefetch's size now that its lines are
+    # protected (each against no prefetch, eviction on by default), then the MLA split by 16 heads again, 4 rounds
+    timeout 200 python3 benchmarks/profile_step.py --rounds 3 --switch SPARKCHAT_WEIGHT_EVICT=1,2,3 2>&1 \
+        | tee "$OUT/ab-evict-bits.txt"
+    timeout 200 python3 benchmarks/profile_step.py --rounds 3 --switch SPARKCHAT_L2_PREFETCH_MB=8,12,16 2>&1 \
+        | tee "$OUT/ab-l2-size-evict.txt"
+    timeout 150 python3 benchmarks/profile_step.py --rounds 4 --switch SPARKCHAT_MLA_CONFIG=1.block_m:16 2>&1 \
+        | tee "$OUT/ab-mla-16.txt"
+}
+
 bench() {
     timeout 300 python3 -m sparkchat bench --context 1024 --iters 20 2>&1 | tee "$OUT/bench.txt"
     timeout 120 python3 benchmarks/profile_step.py --timeline 2>&1 | tee "$OUT/timeline.txt"
@@ -303,6 +313,6 @@ load() {  # the checkpoint reader to the GPU: mmap vs plain reads, and the page 
 
 case "${1:-}" in
     wheels) wheels ;;
-    quick|qbench|gemvs|verify|pipeline|sampled|handoff|decode|tails|verify4|race|first|ab|tests|configs|l2|l2check|l2pace|evict|kdatail|s36|bench|load) install_wheels; "$1" ;;
-    *) echo "usage: $0 wheels|quick|qbench|gemvs|verify|pipeline|sampled|handoff|decode|tails|verify4|race|first|ab|tests|configs|l2|l2check|l2pace|evict|kdatail|s36|bench|load" >&2; exit 2 ;;
+    quick|qbench|gemvs|verify|pipeline|sampled|handoff|decode|tails|verify4|race|first|ab|tests|configs|l2|l2check|l2pace|evict|kdatail|s36|evict2|bench|load) install_wheels; "$1" ;;
+    *) echo "usage: $0 wheels|quick|qbench|gemvs|verify|pipeline|sampled|handoff|decode|tails|verify4|race|first|ab|tests|configs|l2|l2check|l2pace|evict|kdatail|s36|evict2|bench|load" >&2; exit 2 ;;
 esac
