@@ -348,9 +348,9 @@ def test_mla_merge_and_unfold_of_a_window_in_one_trip_to_memory():
 
 @pytest.mark.parametrize("arch", [90, 121])
 def test_weight_streams_marked_evict_first_keep_their_registers(arch):
-    """SPARKCHAT_WEIGHT_EVICT: the one-token MoE stages (with the shared expert's rows) and the FP8 GEMV
-    with EVICT="evict_first" load their weights with an L2 evict_first cache policy (L2::cache_hint) and
-    nothing else changes: the same registers and stack as without the hint."""
+    """SPARKCHAT_WEIGHT_EVICT: the MoE stages (16-byte and word loads, with the shared expert's rows) and
+    the FP8 GEMV with EVICT="evict_first" load their weights with an L2 evict_first cache policy
+    (L2::cache_hint) and nothing else changes: the same registers and stack as without the hint."""
     s = _tools()
     from dataclasses import replace
 
@@ -370,7 +370,9 @@ def test_weight_streams_marked_evict_first_keep_their_registers(arch):
     words = m.moe_config(1, s.H, s.INTER, vec=0)
     for stage in (1, 2):
         kernel, _, name = s._moe_stage(words, stage, arch, 2)
-        assert "L2::cache_hint" not in kernel.asm["ptx"], name
+        hinted, _, _ = s._moe_stage(words, stage, arch, 2, EVICT="evict_first")
+        assert "L2::cache_hint" not in kernel.asm["ptx"] and "L2::evict_first" in hinted.asm["ptx"], name
+        assert s.registers(hinted, name) == s.registers(kernel, name), name
     from sparkchat.engine.kernels import fp8_gemv as g
 
     cfg = g.gemv_config("block", 1, 20480, 2560)

@@ -106,7 +106,7 @@ def _perm4(c):
 
 
 @triton.jit
-def _word_tile(ptr, row_stride, k0, BN: tl.constexpr, BKW: tl.constexpr, SCALE: tl.constexpr):
+def _word_tile(ptr, row_stride, k0, BN: tl.constexpr, BKW: tl.constexpr, SCALE: tl.constexpr, EVICT: tl.constexpr):
     """[BN, BKW] tile: weight words (SCALE=False) or each word's E8M0 byte (SCALE=True) of rows
     0..BN-1 from ptr, words k0 + _perm4(0..BKW-1). Loaded flat and reshaped, which pins the layout
     (lanes along the words, warps and registers along the rows) shared by both tiles and the
@@ -114,9 +114,9 @@ def _word_tile(ptr, row_stride, k0, BN: tl.constexpr, BKW: tl.constexpr, SCALE: 
     i = tl.arange(0, BN * BKW)
     word = k0 + _perm4(i % BKW)
     if SCALE:
-        v = tl.load(ptr + (i // BKW) * row_stride + word // 4)
+        v = tl.load(ptr + (i // BKW) * row_stride + word // 4, eviction_policy=EVICT)
     else:
-        v = tl.load(ptr + (i // BKW) * row_stride + word)
+        v = tl.load(ptr + (i // BKW) * row_stride + word, eviction_policy=EVICT)
     return tl.reshape(v, [BN, BKW])
 
 
@@ -300,13 +300,13 @@ def _fma_tokens(accs, cs, scs, xs, x_ptr, x_offs, offs, valid,
 
 @triton.jit
 def _load_tiles(w_e, s_e, row0s, row_stride, srow_stride, k0, BN: tl.constexpr, BKW: tl.constexpr,
-                R: tl.constexpr):
+                R: tl.constexpr, EVICT: tl.constexpr):
     """Raw weight words and scale bytes of the R word tiles of one k step."""
     ws = ()
     ss = ()
     for r in tl.static_range(R):
-        ws = ws + (_word_tile(w_e + row0s[r] * row_stride, row_stride, k0, BN, BKW, False),)
-        ss = ss + (_word_tile(s_e + row0s[r] * srow_stride, srow_stride, k0, BN, BKW, True),)
+        ws = ws + (_word_tile(w_e + row0s[r] * row_stride, row_stride, k0, BN, BKW, False, EVICT),)
+        ss = ss + (_word_tile(s_e + row0s[r] * srow_stride, srow_stride, k0, BN, BKW, True, EVICT),)
     return ws, ss
 
 
@@ -324,8 +324,8 @@ def _decode(ws, ss, R: tl.constexpr, PAIRED: tl.constexpr):
 def _stream(accs, w_e, s_e, row0s, row_stride, srow_stride, KW: tl.constexpr, x_ptr, x_offs, valid,
             BN: tl.constexpr, BKW: tl.constexpr, R: tl.constexpr, NT: tl.constexpr, SKIP: tl.constexpr,
             UNROLL: tl.constexpr, PREFETCH: tl.constexpr, WAIT: tl.constexpr, PACKED: tl.constexpr,
-            INTERPRET: tl.constexpr, PAIRED: tl.constexpr, XPACKED: tl.constexpr = False,
-            PRELOAD: tl.constexpr = False, PLANE: tl.constexpr = 0):
+            INTERPRET: tl.constexpr, PAIRED: tl.constexpr, XPACKED: tl.constexpr, PRELOAD: tl.constexpr,
+            PLANE: tl.constexpr, EVICT: tl.constexpr):
     """The k loop over KW words per row. PACKED: products in bf16x2 (_word_dot; one token only).
     PREFETCH: software-pipelined by one step (step k+1's weight and scale loads, and without PACKED its
     activation loads, are issued before step k is decoded and multiplied). WAIT: pdl_wait
@@ -340,7 +340,7 @@ def _stream(accs, w_e, s_e, row0s, row_stride, srow_stride, KW: tl.constexpr, x_
         wss = ()
         sss = ()
         for k in tl.static_range(KW // BKW):
-            ws_k, ss_k = _load_tiles(w_e, s_e, row0s, row_stride, srow_stride, k * BKW, BN, BKW, R)
+            ws_k, ss_k = _load_tiles(w_e, s_e, row0s, row_stride, srow_stride, k * BKW, BN, BKW, R, EVICT)
             wss = wss + (ws_k,)
             sss = sss + (ss_k,)
         pdl_wait(WAIT)
@@ -348,27 +348,27 @@ def _stream(accs, w_e, s_e, row0s, row_stride, srow_stride, KW: tl.constexpr, x_
         for k in tl.static_range(KW // BKW):
             accs = _packed_step(accs, wss[k], sss[k], base, k * BKW + kw, R, INTERPRET, PAIRED, XPACKED, PLANE)
     else:
-        ws, ss = _load_tiles(w_e, s_e, row0s, row_stride, srow_stride, 0, BN, BKW, R)
+        ws, ss = _load_tiles(w_e, s_e, row0s, row_stride, srow_stride, 0, BN, BKW, R, EVICT)
         pdl_wait(WAIT)
         if PACKED:  # one token (NT = 1), bf16x2 products: see _WORD_DOT_ASM
             base = x_ptr + x_offs[0]
             if PREFETCH:
                 for k0 in tl.range(0, KW, BKW, loop_unroll_factor=UNROLL):
                     kn = tl.minimum(k0 + BKW, KW - BKW)  # the last step re-reads its own words (cache hits)
-                    ws_n, ss_n = _load_tiles(w_e, s_e, row0s, row_stride, srow_stride, kn, BN, BKW, R)
+                    ws_n, ss_n = _load_tiles(w_e, s_e, row0s, row_stride, srow_stride, kn, BN, BKW, R, EVICT)
                     accs = _packed_step(accs, ws, ss, base, k0 + kw, R, INTERPRET, PAIRED, XPACKED, PLANE)
                     ws = ws_n
                     ss = ss_n
             else:
                 accs = _packed_step(accs, ws, ss, base, kw, R, INTERPRET, PAIRED, XPACKED, PLANE)
                 for k0 in tl.range(BKW, KW, BKW, loop_unroll_factor=UNROLL):
-                    ws, ss = _load_tiles(w_e, s_e, row0s, row_stride, srow_stride, k0, BN, BKW, R)
+                    ws, ss = _load_tiles(w_e, s_e, row0s, row_stride, srow_stride, k0, BN, BKW, R, EVICT)
                     accs = _packed_step(accs, ws, ss, base, k0 + kw, R, INTERPRET, PAIRED, XPACKED, PLANE)
         elif PREFETCH:
             xs = _load_x(x_ptr, x_offs, valid, kw * 8, NT)
             for k0 in tl.range(0, KW, BKW, loop_unroll_factor=UNROLL):
                 kn = tl.minimum(k0 + BKW, KW - BKW)  # the last step re-reads its own words (cache hits)
-                ws_n, ss_n = _load_tiles(w_e, s_e, row0s, row_stride, srow_stride, kn, BN, BKW, R)
+                ws_n, ss_n = _load_tiles(w_e, s_e, row0s, row_stride, srow_stride, kn, BN, BKW, R, EVICT)
                 xs_n = _load_x(x_ptr, x_offs, valid, (kn + kw) * 8, NT)
                 cs, scs = _decode(ws, ss, R, PAIRED)
                 accs = _fma_tokens(accs, cs, scs, xs, x_ptr, x_offs, kw, valid, NT, R, SKIP, True)
@@ -379,7 +379,7 @@ def _stream(accs, w_e, s_e, row0s, row_stride, srow_stride, KW: tl.constexpr, x_
             cs, scs = _decode(ws, ss, R, PAIRED)
             accs = _fma_tokens(accs, cs, scs, (), x_ptr, x_offs, kw * 8, valid, NT, R, SKIP, False)
             for k0 in tl.range(BKW, KW, BKW, loop_unroll_factor=UNROLL):
-                ws, ss = _load_tiles(w_e, s_e, row0s, row_stride, srow_stride, k0, BN, BKW, R)
+                ws, ss = _load_tiles(w_e, s_e, row0s, row_stride, srow_stride, k0, BN, BKW, R, EVICT)
                 cs, scs = _decode(ws, ss, R, PAIRED)
                 accs = _fma_tokens(accs, cs, scs, (), x_ptr, x_offs, (k0 + kw) * 8, valid, NT, R, SKIP, False)
     return accs
@@ -449,11 +449,11 @@ def mxfp4_moe_stage1_kernel(
         else:
             _stage1_routed(x_ptr, ids_ptr, rw_ptr, w13_ptr, s13_ptr, act_ptr, limit, s, nb, T, K, H, I, BN, RS, BKW,
                            UNROLL, NT, K_PAD, S_PAD, DEDUPE, PREFETCH, PACKED, INTERPRET, PDL, PAIRED, ACT_PACKED,
-                           X_PACKED, PRELOAD)
+                           X_PACKED, PRELOAD, EVICT)
     else:
         _stage1_routed(x_ptr, ids_ptr, rw_ptr, w13_ptr, s13_ptr, act_ptr, limit, s, nb, T, K, H, I, BN, RS, BKW,
                        UNROLL, NT, K_PAD, S_PAD, DEDUPE, PREFETCH, PACKED, INTERPRET, PDL, PAIRED, ACT_PACKED,
-                       X_PACKED, PRELOAD)
+                       X_PACKED, PRELOAD, EVICT)
 
 
 @triton.jit
@@ -462,7 +462,8 @@ def _stage1_routed(x_ptr, ids_ptr, rw_ptr, w13_ptr, s13_ptr, act_ptr, limit, s, 
                    BN: tl.constexpr, RS: tl.constexpr, BKW: tl.constexpr, UNROLL: tl.constexpr,
                    NT: tl.constexpr, K_PAD: tl.constexpr, S_PAD: tl.constexpr, DEDUPE: tl.constexpr,
                    PREFETCH: tl.constexpr, PACKED: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
-                   PAIRED: tl.constexpr, ACT_PACKED: tl.constexpr, X_PACKED: tl.constexpr, PRELOAD: tl.constexpr):
+                   PAIRED: tl.constexpr, ACT_PACKED: tl.constexpr, X_PACKED: tl.constexpr, PRELOAD: tl.constexpr,
+                   EVICT: tl.constexpr):
     """mxfp4_moe_stage1_kernel's routed programs: slot s, block nb."""
     pdl_wait(PDL)  # the expert ids may come from the kernel just before: nothing to load earlier
     e = tl.load(ids_ptr + s).to(tl.int32)
@@ -486,7 +487,7 @@ def _stage1_routed(x_ptr, ids_ptr, rw_ptr, w13_ptr, s13_ptr, act_ptr, limit, s, 
             row0s = row0s + (nb * (RS * BN) + (r // 2) * BN + (r % 2) * I,)  # even r: gate rows, odd r: up rows
         accs = _stream(_zeros(NT * R, BN, BKW), w_e, s_e, row0s, HW, HG, HW, x_ptr, x_offs, valid,
                        BN, BKW, R, NT, DEDUPE, UNROLL, PREFETCH, False, PACKED, INTERPRET, PAIRED, X_PACKED, PRELOAD,
-                       H // 8)
+                       H // 8, EVICT)
         lim = tl.where(limit > 0, limit, float("inf"))
         for t in tl.static_range(NT):
             out = act_ptr + slots[t] * I + nb * (RS * BN) + sub
@@ -533,10 +534,11 @@ def mxfp4_moe_stage2_kernel(
                          sh_limit, T, H, I, BSH, SH_BK, SH_GU, SH_ROW, PDL, not INTERPRET, EVICT)
         else:
             _stage2_routed(act_ptr, ids_ptr, w2_ptr, s2_ptr, part_ptr, s, nb, rows, T, K, H, I, BN, RS, BKW, UNROLL,
-                           NT, K_PAD, S_PAD, DEDUPE, PREFETCH, PACKED, INTERPRET, PDL, PAIRED, ACT_PACKED, PRELOAD)
+                           NT, K_PAD, S_PAD, DEDUPE, PREFETCH, PACKED, INTERPRET, PDL, PAIRED, ACT_PACKED, PRELOAD,
+                           EVICT)
     else:
         _stage2_routed(act_ptr, ids_ptr, w2_ptr, s2_ptr, part_ptr, s, nb, rows, T, K, H, I, BN, RS, BKW, UNROLL, NT,
-                       K_PAD, S_PAD, DEDUPE, PREFETCH, PACKED, INTERPRET, PDL, PAIRED, ACT_PACKED, PRELOAD)
+                       K_PAD, S_PAD, DEDUPE, PREFETCH, PACKED, INTERPRET, PDL, PAIRED, ACT_PACKED, PRELOAD, EVICT)
     _sum_slots(part_ptr, cnt_ptr, y_ptr, add_ptr, nb, rows, T, K, H, RS, BN, HAS_ADD, SHARED,
                (res_ptr, nw_ptr, s_out_ptr, h_ptr, ssq_ptr, eps, h16_ptr, hd_ptr), NORM, F16, INTERPRET, SUM_AT_ONCE)
 
@@ -547,7 +549,7 @@ def _stage2_routed(act_ptr, ids_ptr, w2_ptr, s2_ptr, part_ptr, s, nb, rows,
                    BN: tl.constexpr, RS: tl.constexpr, BKW: tl.constexpr, UNROLL: tl.constexpr,
                    NT: tl.constexpr, K_PAD: tl.constexpr, S_PAD: tl.constexpr, DEDUPE: tl.constexpr,
                    PREFETCH: tl.constexpr, PACKED: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
-                   PAIRED: tl.constexpr, ACT_PACKED: tl.constexpr, PRELOAD: tl.constexpr):
+                   PAIRED: tl.constexpr, ACT_PACKED: tl.constexpr, PRELOAD: tl.constexpr, EVICT: tl.constexpr):
     """mxfp4_moe_stage2_kernel's routed programs: slot s, row block nb -> part[slot, rows]."""
     IW: tl.constexpr = I // 8
     IG: tl.constexpr = I // 32
@@ -569,7 +571,7 @@ def _stage2_routed(act_ptr, ids_ptr, w2_ptr, s2_ptr, part_ptr, s, nb, rows,
             row0s = row0s + (nb * (RS * BN) + r * BN,)
         accs = _stream(_zeros(NT * RS, BN, BKW), w_e, s_e, row0s, IW, IG, IW, act_ptr, a_offs, valid,
                        BN, BKW, RS, NT, DEDUPE, UNROLL, PREFETCH, PDL, PACKED, INTERPRET, PAIRED, ACT_PACKED, PRELOAD,
-                       I // 8)
+                       I // 8, EVICT)
         for t in tl.static_range(NT):
             out = part_ptr + slots[t] * H + rows
             for r in tl.static_range(RS):
@@ -1314,8 +1316,9 @@ class _Plan:
                          sha_ptr=act[-1], sh_limit=float(shared.limit))
         act = act.view(torch.bfloat16) if self.meta1["ACT_PACKED"] else act  # the fp32 workspace, reused
         kernel = mxfp4_moe_stage1_vec_kernel if self.vec1 else mxfp4_moe_stage1_kernel
-        if self.vec1 and weight_eviction(1, x.device):
-            extra["EVICT"] = weight_eviction(1, x.device)
+        evict = weight_eviction(1, x.device)
+        if evict:
+            extra["EVICT"] = evict
         kernel[self.grid1](x, ids, rw, w13_i32, s13, act, limit, **self.meta1, **extra, **pdl_args(x.device))
 
     def stage2(self, act, ids, w2_i32, s2, part, count, out, add=None, shared: SharedExpert | None = None,
@@ -1328,8 +1331,9 @@ class _Plan:
             extra.update(shw_ptr=shared.down, shs_ptr=shared.down_scale, sha_ptr=src, sh_limit=float(shared.limit))
         act = act.view(torch.int32) if self.meta2["ACT_PACKED"] else act
         kernel = mxfp4_moe_stage2_vec_kernel if self.vec2 else mxfp4_moe_stage2_kernel
-        if self.vec2 and weight_eviction(1, act.device):
-            extra["EVICT"] = weight_eviction(1, act.device)
+        evict = weight_eviction(1, act.device)
+        if evict:
+            extra["EVICT"] = evict
         kernel[self.grid2](act, ids, w2_i32, s2, part, count, out, out if add is None else add,
                            HAS_ADD=add is not None, **self.meta2, **extra, **pdl_args(act.device))
 

@@ -49,9 +49,10 @@ def tail_at_once() -> int:
 
 def weight_eviction(kind: int, device: torch.device | None = None) -> str:
     """The L2 eviction hint for one kind of weight stream on `device` (tl.load's eviction_policy):
-    "evict_first" when bit `kind` of SPARKCHAT_WEIGHT_EVICT is set — 1: the one-token MoE stages' expert
-    weights (routed and shared), 2: the GEMVs' weights (the FP8 linears and head, the router's BF16
-    logits) — else "" (the default policy). Unset: both on sm_90 GPUs (the H100 and H200), neither
+    "evict_first" when bit `kind` of SPARKCHAT_WEIGHT_EVICT is set — 1: the MoE stages' expert weights
+    and scales (routed and shared), 2: the FMA GEMVs' weights (the FP8 linears and head, the router's BF16
+    logits) — else "" (the default policy). Not the tensor-core GEMV of verify windows: Triton's
+    pipeliner turns its weight loads into cp.async and drops the hint (Triton 3.6, sm_90 PTX). Unset: both on sm_90 GPUs (the H100 and H200), neither
     elsewhere. Weights are read once a step, so marking them first out keeps L2 for what is read again:
     the paced L2 prefetch's lines (router.route's `l2_prefetch`, sm_90 only), partial sums, activations.
     The H100's graphed step 2.448 -> 2.396 ms, the logits bit for bit the same (docs/benchmarks.md
