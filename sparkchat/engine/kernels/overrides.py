@@ -49,14 +49,17 @@ def tail_at_once() -> int:
 
 def weight_eviction(kind: int, device: torch.device | None = None) -> str:
     """The L2 eviction hint for one kind of weight stream on `device` (tl.load's eviction_policy):
-    "evict_first" when bit `kind` of SPARKCHAT_WEIGHT_EVICT is set — 1: the MoE stages' expert weights
-    and scales (routed and shared), 2: the FMA GEMVs' weights (the FP8 linears and head, the router's BF16
-    logits) — else "" (the default policy). Not the tensor-core GEMV of verify windows: Triton's
-    pipeliner turns its weight loads into cp.async and drops the hint (Triton 3.6, sm_90 PTX). Unset: both on sm_90 GPUs (the H100 and H200), neither
-    elsewhere. Weights are read once a step, so marking them first out keeps L2 for what is read again:
-    the paced L2 prefetch's lines (router.route's `l2_prefetch`, sm_90 only), partial sums, activations.
-    The H100's graphed step 2.448 -> 2.396 ms, the logits bit for bit the same (docs/benchmarks.md
-    session 36); the DGX Spark (sm_121) stays off until measured there."""
+    "evict_first" when bit `kind` of SPARKCHAT_WEIGHT_EVICT is set, else "" (the default policy). Bits:
+    - 1: the one-token MoE stages' expert weights and scales (routed and shared);
+    - 2: the FMA GEMVs' weights (the FP8 linears and head, the router's BF16 logits);
+    - 4: the MoE stages of multi-token windows (a verify): slots sharing an expert (real routing repeats
+      experts between neighbouring tokens) re-read its lines from L2, which the hint would drop first.
+    Unset: 1 and 2 on sm_90 GPUs (the H100 and H200), none elsewhere. Weights are read once a step, so
+    marking them first out keeps L2 for what is read again: the paced L2 prefetch's lines (router.route's
+    `l2_prefetch`, sm_90 only), partial sums, activations. The H100's graphed step 2.448 -> 2.396 ms, the
+    logits bit for bit the same (docs/benchmarks.md session 36); the DGX Spark (sm_121) stays off until
+    measured there. Not the verify windows' tensor-core GEMV: Triton's pipeliner turns its weight loads
+    into cp.async and drops the hint (Triton 3.6, sm_90 PTX)."""
     value = os.environ.get("SPARKCHAT_WEIGHT_EVICT")
     if value is None:
         bits = DEFAULT_WEIGHT_EVICT if device is not None and _is_sm90(torch.device(device)) else 0
@@ -65,7 +68,7 @@ def weight_eviction(kind: int, device: torch.device | None = None) -> str:
     return "evict_first" if bits & kind else ""
 
 
-DEFAULT_WEIGHT_EVICT = 3
+DEFAULT_WEIGHT_EVICT = 3  # not 4: timed only with random routing, which repeats no expert
 
 
 @functools.cache
