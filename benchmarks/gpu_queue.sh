@@ -291,7 +291,7 @@ s36() {  # session 36's first look, when device time is short: each candidate 2 
 
 evict2() {  # next: each eviction bit alone (against none), then the prefetch's size now that its lines are
     # protected (each against no prefetch, eviction on by default), then the MLA split by 16 heads again, 4 rounds
-    timeout 200 python3 benchmarks/profile_step.py --rounds 3 --switch SPARKCHAT_WEIGHT_EVICT=1,2,3 2>&1 \
+    timeout 260 python3 benchmarks/profile_step.py --rounds 3 --switch SPARKCHAT_WEIGHT_EVICT=1,2,3,7 2>&1 \
         | tee "$OUT/ab-evict-bits.txt"
     timeout 200 python3 benchmarks/profile_step.py --rounds 3 --switch SPARKCHAT_L2_PREFETCH_MB=8,12,16 2>&1 \
         | tee "$OUT/ab-l2-size-evict.txt"
