@@ -1224,3 +1224,17 @@ def test_weight_eviction_reads_one_bit_a_kind_of_stream(monkeypatch):
     assert weight_eviction(1) == weight_eviction(2) == "evict_first"
     monkeypatch.setenv("SPARKCHAT_WEIGHT_EVICT", "first")  # not a number: off, never an unknown policy
     assert weight_eviction(1, torch.device("cuda")) == ""
+
+
+def test_moe_stages_take_the_one_token_or_the_window_eviction_bit(monkeypatch):
+    """A verify window's MoE stages are hinted only with bit 4: its slots may share an expert and re-read
+    it from L2 (real routing repeats experts), which the one-token step's bit 1 must not drop."""
+    pytest.importorskip("triton")
+    from sparkchat.engine.kernels.mxfp4_moe import _plan, moe_config
+
+    one, window = (_plan(T, 8, 2560, 768, moe_config(T, 2560, 768), True, x_packed=True) for T in (1, 4))
+    cpu = torch.device("cpu")
+    for bits, want in (("1", ("evict_first", "")), ("4", ("", "evict_first")), ("5", ("evict_first",) * 2),
+                       ("0", ("", ""))):
+        monkeypatch.setenv("SPARKCHAT_WEIGHT_EVICT", bits)
+        assert (one.eviction(cpu), window.eviction(cpu)) == want, bits

@@ -1306,6 +1306,10 @@ class _Plan:
     vec1: bool = False
     vec2: bool = False
 
+    def eviction(self, device: torch.device) -> str:
+        """Both stages' weight loads' L2 hint: one token's (bit 1) or a window's (bit 4), weight_eviction."""
+        return weight_eviction(1 if self.meta2["T"] == 1 else 4, device)
+
     def stage1(self, x, ids, rw, w13_i32, s13, act, limit: float, shared: SharedExpert | None = None,
                x_plain: torch.Tensor | None = None) -> None:
         """`shared` (a plan made with shared=True): x_plain is the token's bf16 x; the shared expert's
@@ -1316,7 +1320,7 @@ class _Plan:
                          sha_ptr=act[-1], sh_limit=float(shared.limit))
         act = act.view(torch.bfloat16) if self.meta1["ACT_PACKED"] else act  # the fp32 workspace, reused
         kernel = mxfp4_moe_stage1_vec_kernel if self.vec1 else mxfp4_moe_stage1_kernel
-        evict = weight_eviction(1 if self.meta2["T"] == 1 else 4, x.device)
+        evict = self.eviction(x.device)
         if evict:
             extra["EVICT"] = evict
         kernel[self.grid1](x, ids, rw, w13_i32, s13, act, limit, **self.meta1, **extra, **pdl_args(x.device))
@@ -1331,7 +1335,7 @@ class _Plan:
             extra.update(shw_ptr=shared.down, shs_ptr=shared.down_scale, sha_ptr=src, sh_limit=float(shared.limit))
         act = act.view(torch.int32) if self.meta2["ACT_PACKED"] else act
         kernel = mxfp4_moe_stage2_vec_kernel if self.vec2 else mxfp4_moe_stage2_kernel
-        evict = weight_eviction(1 if self.meta2["T"] == 1 else 4, act.device)
+        evict = self.eviction(act.device)
         if evict:
             extra["EVICT"] = evict
         kernel[self.grid2](act, ids, w2_i32, s2, part, count, out, out if add is None else add,
