@@ -1212,7 +1212,7 @@ def test_weight_eviction_reads_one_bit_a_kind_of_stream(monkeypatch):
 
     monkeypatch.delenv("SPARKCHAT_WEIGHT_EVICT", raising=False)
     assert weight_eviction(1) == weight_eviction(2, torch.device("cpu")) == ""  # unset: off but on sm_90
-    monkeypatch.setattr(overrides, "_is_sm90", lambda device: True)
+    monkeypatch.setattr(overrides, "is_sm90", lambda device: True)
     assert weight_eviction(1, torch.device("cuda")) == weight_eviction(2, torch.device("cuda")) == "evict_first"
     monkeypatch.setenv("SPARKCHAT_WEIGHT_EVICT", "0")  # profile_step's "off"
     assert weight_eviction(1, torch.device("cuda")) == weight_eviction(2, torch.device("cuda")) == ""

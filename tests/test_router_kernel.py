@@ -188,7 +188,7 @@ def test_l2_prefetch_size_defaults_to_sm90_only(monkeypatch):
 
     monkeypatch.delenv("SPARKCHAT_L2_PREFETCH_MB", raising=False)
     assert fastpath.l2_prefetch_bytes(torch.device("cpu")) == 0 and fastpath.l2_prefetch_bytes() == 0
-    monkeypatch.setattr(fastpath, "_is_sm90", lambda device: device.type == "cuda" and device.index == 0)
+    monkeypatch.setattr(fastpath, "is_sm90", lambda device: device.type == "cuda" and device.index == 0)
     assert fastpath.l2_prefetch_bytes(torch.device("cuda", 0)) == fastpath.DEFAULT_L2_PREFETCH == 8_000_000
     assert fastpath.l2_prefetch_bytes(torch.device("cuda", 1)) == 0  # another architecture
     for value, want in (("12", 12_000_000), ("0.5", 500_000), ("0", 0), ("junk", 0), ("-3", 0)):

@@ -22,6 +22,7 @@ from collections.abc import Callable
 
 import torch
 
+from sparkchat.engine.kernels.device import is_sm90
 from sparkchat.engine.nn.moe import MLP, Experts, MoE
 from sparkchat.engine.nn.norm import RMSNorm
 
@@ -162,7 +163,7 @@ def l2_prefetch_bytes(device: torch.device | None = None) -> int:
     machine. SPARKCHAT_L2_PREFETCH_PACE paces it (kernels/router.py)."""
     value = os.environ.get("SPARKCHAT_L2_PREFETCH_MB")
     if value is None:
-        return DEFAULT_L2_PREFETCH if device is not None and _is_sm90(device) else 0
+        return DEFAULT_L2_PREFETCH if device is not None and is_sm90(device) else 0
     try:
         return max(0, int(float(value) * 1e6))
     except ValueError:
@@ -170,11 +171,6 @@ def l2_prefetch_bytes(device: torch.device | None = None) -> int:
 
 
 DEFAULT_L2_PREFETCH = 8_000_000
-
-
-@functools.cache
-def _is_sm90(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
 
 
 def _weight_ahead(attention, head) -> torch.Tensor | None:

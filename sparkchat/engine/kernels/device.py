@@ -8,6 +8,12 @@ import os
 import torch
 
 
+@functools.cache
+def is_sm90(device: torch.device) -> bool:
+    """True on sm_90 GPUs (the H100 and H200), where the L2 hints measured on them are on by default."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
+
+
 def interpreting() -> bool:
     """True under Triton's CPU interpreter (TRITON_INTERPRET=1), where the kernels run on CPU tensors."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"

@@ -6,11 +6,12 @@ kernel switches read by more than one kernel module (tail_at_once, weight_evicti
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 from collections.abc import Callable
 
 import torch
+
+from sparkchat.engine.kernels.device import is_sm90
 
 
 def field_overrides(variable: str, config_cls: type, key: str, key_ok: Callable[[str], bool],
@@ -62,15 +63,10 @@ def weight_eviction(kind: int, device: torch.device | None = None) -> str:
     into cp.async and drops the hint (Triton 3.6, sm_90 PTX)."""
     value = os.environ.get("SPARKCHAT_WEIGHT_EVICT")
     if value is None:
-        bits = DEFAULT_WEIGHT_EVICT if device is not None and _is_sm90(torch.device(device)) else 0
+        bits = DEFAULT_WEIGHT_EVICT if device is not None and is_sm90(torch.device(device)) else 0
     else:
         bits = int(value) if value.isdigit() else 0
     return "evict_first" if bits & kind else ""
 
 
 DEFAULT_WEIGHT_EVICT = 3  # not 4: timed only with random routing, which repeats no expert
-
-
-@functools.cache
-def _is_sm90(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
