@@ -2,7 +2,7 @@
 # The GPU runs waiting for a development GPU, as named batches, so a lent machine starts on them at once.
 #
 #   bash benchmarks/gpu_queue.sh wheels        # here (with package registries): the wheels the GPU box lacks
-#   bash benchmarks/gpu_queue.sh quick|qbench|gemvs|verify|pipeline|sampled|handoff|decode|tails|verify4|race|first|ab|tests|configs|l2|l2check|l2pace|evict|kdatail|s36|evict2|bench|load   # on the GPU box, logs under $OUT (default ./gpu-out)
+#   bash benchmarks/gpu_queue.sh quick|qbench|gemvs|verify|pipeline|sampled|handoff|decode|tails|verify4|race|first|ab|tests|configs|l2|l2check|l2pace|s36|evict2|bench|load   # on the GPU box, logs under $OUT (default ./gpu-out)
 #
 # The GPU box has torch, triton and transformers, but not this project's other dependencies, nor the
 # transformers the tiny test models need (5.24), and it cannot fetch: `wheels` downloads them into .whl2/
@@ -257,23 +257,6 @@ l2pace() {
         | tee "$OUT/loop-decode-l2.txt"
 }
 
-evict() {  # session 36: weight streams marked evict_first in L2 (overrides.weight_eviction: bits 1 MoE, 2 GEMVs),
-    # and MLA's split over more, smaller programs (SPARKCHAT_MLA_CONFIG: 16 heads a tile, 2 tiles a token)
-    SPARKCHAT_WEIGHT_EVICT=3 timeout 150 python3 -m pytest -q tests/test_kernels.py tests/test_router_kernel.py \
-        -k "vectorized or shared_expert or fp8_block_gemv_gpu or fp8_head_gpu or router" 2>&1 | tail -3 \
-        | tee "$OUT/evict-kernel-tests.txt"
-    SPARKCHAT_MLA_CONFIG=1.block_m:16/1.warps:4 timeout 60 python3 -m pytest -q tests/test_mla_kernel.py -k cuda \
-        2>&1 | tail -3 | tee "$OUT/mla-config-tests.txt"
-    timeout 400 python3 benchmarks/profile_step.py --rounds 3 \
-        --switch SPARKCHAT_WEIGHT_EVICT=1,2,3 \
-        --switch SPARKCHAT_MLA_CONFIG=1.block_m:16,1.block_m:16/1.warps:4 2>&1 | tee "$OUT/ab-evict-mla.txt"
-}
-
-kdatail() {  # session 36: what KDA's last-program tail (the output norm, the q/k conv state) costs the step
-    timeout 200 python3 benchmarks/profile_step.py --knockout --knockout-only everything,no-kda-tail \
-        --knockout-rounds 3 2>&1 | tee "$OUT/knockout-kda-tail.txt"
-}
-
 s36() {  # session 36's first look, when device time is short: each candidate 2 rounds in the graphed step (its
     # logits against off check it too), KDA's tail knocked out, then the kernel tests (on an H200 the paced L2
     # prefetch as well: its default on sm_90 was timed on H100s only)
@@ -313,6 +296,6 @@ load() {  # the checkpoint reader to the GPU: mmap vs plain reads, and the page 
 
 case "${1:-}" in
     wheels) wheels ;;
-    quick|qbench|gemvs|verify|pipeline|sampled|handoff|decode|tails|verify4|race|first|ab|tests|configs|l2|l2check|l2pace|evict|kdatail|s36|evict2|bench|load) install_wheels; "$1" ;;
-    *) echo "usage: $0 wheels|quick|qbench|gemvs|verify|pipeline|sampled|handoff|decode|tails|verify4|race|first|ab|tests|configs|l2|l2check|l2pace|evict|kdatail|s36|evict2|bench|load" >&2; exit 2 ;;
+    quick|qbench|gemvs|verify|pipeline|sampled|handoff|decode|tails|verify4|race|first|ab|tests|configs|l2|l2check|l2pace|s36|evict2|bench|load) install_wheels; "$1" ;;
+    *) echo "usage: $0 wheels|quick|qbench|gemvs|verify|pipeline|sampled|handoff|decode|tails|verify4|race|first|ab|tests|configs|l2|l2check|l2pace|s36|evict2|bench|load" >&2; exit 2 ;;
 esac

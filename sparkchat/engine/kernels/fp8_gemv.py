@@ -651,8 +651,9 @@ def _gemv(x, w, s, y, pmax, pidx, scale_kind: int, out_kind: int, cfg: GemvConfi
                              **pdl_args(x.device))
         return
     assert 128 % (cfg.bn * cfg.rs) == 0, "bn * rs must divide the 128-row scale block"
-    if weight_eviction(2, x.device):
-        extra = dict(extra, EVICT=weight_eviction(2, x.device))
+    evict = weight_eviction(2, x.device)
+    if evict:
+        extra = dict(extra, EVICT=evict)
     fp8_gemv_kernel[grid](x, w, s, y, pmax, pidx, T=T, N=N, K=K, BN=cfg.bn, RS=cfg.rs, BK=bk, UNROLL=cfg.unroll,
                           SCALE=scale_kind, OUT=out_kind, SPLIT=split, PREFETCH=cfg.prefetch, ROW_ACC=cfg.row_acc,
                           KACC=_kacc(cfg, bk), num_warps=cfg.warps, **extra, **pdl_args(x.device))
@@ -935,8 +936,9 @@ def plain_gemv_partials(x: torch.Tensor, w: torch.Tensor, config: GemvConfig | N
     split = _split_for(K, bk, cfg.split)
     part = torch.empty(split, T, N, dtype=torch.float32, device=x.device)
     x, extra = _split_norm_input(x, split_norm)
-    if weight_eviction(2, x.device):
-        extra = dict(extra, EVICT=weight_eviction(2, x.device))
+    evict = weight_eviction(2, x.device)
+    if evict:
+        extra = dict(extra, EVICT=evict)
     fp8_gemv_kernel[(triton.cdiv(N, cfg.bn * cfg.rs), split)](
         x, w, w, part, part, part, T=T, N=N, K=K, BN=cfg.bn, RS=cfg.rs, BK=bk, UNROLL=cfg.unroll, SCALE=2,
         SPLIT=split, PREFETCH=cfg.prefetch, ROW_ACC=cfg.row_acc, OUT=3, KACC=_kacc(cfg, bk), num_warps=cfg.warps,
