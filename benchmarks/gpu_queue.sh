@@ -2,7 +2,7 @@
 # The GPU runs waiting for a development GPU, as named batches, so a lent machine starts on them at once.
 #
 #   bash benchmarks/gpu_queue.sh wheels        # here (with package registries): the wheels the GPU box lacks
-#   bash benchmarks/gpu_queue.sh quick|qbench|gemvs|verify|pipeline|sampled|handoff|decode|tails|verify4|race|first|ab|tests|configs|l2|l2check|l2pace|s36|evict2|bench|load   # on the GPU box, logs under $OUT (default ./gpu-out)
+#   bash benchmarks/gpu_queue.sh quick|qbench|gemvs|verify|pipeline|sampled|handoff|decode|tails|verify4|race|first|ab|tests|configs|l2|l2check|l2pace|s36|s37|evict2|bench|load   # on the GPU box, logs under $OUT (default ./gpu-out)
 #
 # The GPU box has torch, triton and transformers, but not this project's other dependencies, nor the
 # transformers the tiny test models need (5.24), and it cannot fetch: `wheels` downloads them into .whl2/
@@ -266,8 +266,8 @@ s36() {  # session 36's first look, when device time is short: each candidate 2 
     timeout 250 python3 benchmarks/profile_step.py --rounds 2 $sw 2>&1 | tee "$OUT/ab-evict-mla.txt"
     timeout 110 python3 benchmarks/profile_step.py --knockout --knockout-only everything,no-kda-tail \
         --knockout-rounds 2 2>&1 | tee "$OUT/knockout-kda-tail.txt"
-    SPARKCHAT_WEIGHT_EVICT=3 timeout 110 python3 -m pytest -q tests/test_kernels.py \
-        -k "vectorized or shared_expert or fp8_block_gemv_gpu" 2>&1 | tail -3 | tee "$OUT/evict-kernel-tests.txt"
+    SPARKCHAT_WEIGHT_EVICT=3 timeout 110 python3 -m pytest -q -rf tests/test_kernels.py \
+        -k "vectorized or shared_expert or fp8_block_gemv_gpu" 2>&1 | grep -E "FAILED|passed|failed|error" | tee "$OUT/evict-kernel-tests.txt"
     SPARKCHAT_MLA_CONFIG=1.block_m:16/1.warps:4 timeout 60 python3 -m pytest -q tests/test_mla_kernel.py -k cuda \
         2>&1 | tail -3 | tee "$OUT/mla-config-tests.txt"
 }
@@ -280,6 +280,17 @@ evict2() {  # next: each eviction bit alone (against none), then the prefetch's 
         | tee "$OUT/ab-l2-size-evict.txt"
     timeout 150 python3 benchmarks/profile_step.py --rounds 4 --switch SPARKCHAT_MLA_CONFIG=1.block_m:16 2>&1 \
         | tee "$OUT/ab-mla-16.txt"
+}
+
+s37() {  # an H200's first call, when starts keep failing: sessions 34 + 36's sm_90 defaults (the paced L2
+    # prefetch, the evict_first weight streams; neither timed on an H200) together and the prefetch alone against
+    # off, then the bench table with every default, then the kernel tests the eviction fix touched
+    timeout 230 python3 benchmarks/profile_step.py --rounds 2 \
+        --switch SPARKCHAT_WEIGHT_EVICT=3+SPARKCHAT_L2_PREFETCH_MB=8 --switch SPARKCHAT_L2_PREFETCH_MB=8,16 2>&1 \
+        | tee "$OUT/ab-sm90-defaults.txt"
+    timeout 200 python3 -m sparkchat bench --context 1024 --iters 20 2>&1 | tee "$OUT/bench.txt"
+    timeout 100 python3 -m pytest -q -rf tests/test_kernels.py -k "vectorized or shared_expert or fp8_block_gemv_gpu" \
+        2>&1 | grep -E "FAILED|passed|failed|error" | tee "$OUT/kernel-tests.txt"
 }
 
 bench() {
@@ -296,6 +307,6 @@ load() {  # the checkpoint reader to the GPU: mmap vs plain reads, and the page 
 
 case "${1:-}" in
     wheels) wheels ;;
-    quick|qbench|gemvs|verify|pipeline|sampled|handoff|decode|tails|verify4|race|first|ab|tests|configs|l2|l2check|l2pace|s36|evict2|bench|load) install_wheels; "$1" ;;
-    *) echo "usage: $0 wheels|quick|qbench|gemvs|verify|pipeline|sampled|handoff|decode|tails|verify4|race|first|ab|tests|configs|l2|l2check|l2pace|s36|evict2|bench|load" >&2; exit 2 ;;
+    quick|qbench|gemvs|verify|pipeline|sampled|handoff|decode|tails|verify4|race|first|ab|tests|configs|l2|l2check|l2pace|s36|s37|evict2|bench|load) install_wheels; "$1" ;;
+    *) echo "usage: $0 wheels|quick|qbench|gemvs|verify|pipeline|sampled|handoff|decode|tails|verify4|race|first|ab|tests|configs|l2|l2check|l2pace|s36|s37|evict2|bench|load" >&2; exit 2 ;;
 esac
