@@ -313,11 +313,12 @@ def mma_gemv(arch: int) -> tuple[object, float]:
 
 
 def fma_gemv(arch: int, T: int, N: int, K: int, cfg=None, split_norm: int = 0,
-             evict: str = "") -> tuple[object, float]:
+             evict: str = "", plain: bool = False) -> tuple[object, float]:
     """The FMA GEMV (fp8_gemv_kernel, block scales, bf16 out) for T tokens at N x K with cfg (default:
     what the engine picks): (the compiled kernel, weights a thread streams per k step). split_norm: x is
     a split RMSNorm's input with that many sums of squares a token (fp8_block_gemv's split_norm). evict: the
-    weights' L2 eviction hint (overrides.weight_eviction)."""
+    weights' L2 eviction hint (overrides.weight_eviction). plain: bf16 weights without scales, split-K partials
+    out, as the router's logits (plain_gemv_partials). cfg.l2_ahead as the engine launches it on a GPU."""
     from sparkchat.engine.kernels import fp8_gemv as g
 
     cfg = cfg or g.gemv_config("block", T, N, K)
@@ -325,8 +326,11 @@ def fma_gemv(arch: int, T: int, N: int, K: int, cfg=None, split_norm: int = 0,
     split = g._split_for(K, bk, cfg.split)
     cx = dict(T=T, N=N, K=K, BN=cfg.bn, RS=cfg.rs, BK=bk, UNROLL=cfg.unroll, SCALE=0, OUT=0 if split == 1 else 3,
               SPLIT=split, PREFETCH=cfg.prefetch, ROW_ACC=cfg.row_acc, XS=0, XU=0, X_SWIGLU=False, PDL=True,
-              KACC=g._kacc(cfg, bk), EVICT=evict)
+              KACC=g._kacc(cfg, bk), EVICT=evict, L2_AHEAD=cfg.l2_ahead)
     sig = _GEMV_SIG
+    if plain:
+        sig = dict(sig, w_ptr="*bf16", s_ptr="*bf16", y_ptr="*fp32")
+        cx.update(SCALE=2, OUT=3)
     cx.update(XN_NSQ=0, XN_NSQP=1)
     if split_norm:
         sig = dict(sig, xn_ssq_ptr="*fp32", xn_w_ptr="*bf16", xn_h_ptr="*bf16", xn_eps="fp32")

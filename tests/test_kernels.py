@@ -546,6 +546,26 @@ def test_fp8_mma_gemv_gpu(N, K, T, bn, warps, stages, split):
 
 
 @gpu
+@pytest.mark.parametrize("T,N,K,ahead", [(1, 2560, 4096, 1), (4, 2560, 4096, 3), (1, 20480, 2560, 4), (3, 200, 256, 9)])
+def test_gemv_asking_l2_ahead_gives_the_same_bits_gpu(T, N, K, ahead):
+    """GemvConfig.l2_ahead only asks L2 for lines: the FP8 GEMV (block scales; split-K and add+norm as the
+    output projection runs) and the router's plain one give the same bits with it as without, also when it
+    reaches past a program's last k step or the matrix's last row."""
+    from dataclasses import replace
+
+    from sparkchat.engine.kernels.fp8_gemv import fp8_block_gemv, gemv_config, plain_gemv_partials
+    gen = torch.Generator().manual_seed(T + N + K)
+    w, si = make_fp8(N, K, "cuda", gen)
+    x = torch.randn(T, K, generator=gen).bfloat16().cuda()
+    cfg = gemv_config("block", T, N, K)
+    want = fp8_block_gemv(x, w, si, config=cfg)
+    assert torch.equal(fp8_block_gemv(x, w, si, config=replace(cfg, l2_ahead=ahead)), want)
+    wp = torch.randn(512, K, generator=gen).bfloat16().cuda()
+    plain = gemv_config("plain", T, 512, K)
+    assert torch.equal(plain_gemv_partials(x, wp, replace(plain, l2_ahead=ahead)), plain_gemv_partials(x, wp, plain))
+
+
+@gpu
 def test_f16_acts_from_add_norm_gpu():
     """At the Ling shapes on four tokens: the add+norm kernels hand the tensor-core GEMVs their input in
     fp16 form (f16_block_acts), and the GEMVs give the same bits with it as without."""

@@ -380,3 +380,26 @@ def test_weight_streams_marked_evict_first_keep_their_registers(arch):
     hinted, _ = s.fma_gemv(arch, 1, 20480, 2560, cfg, evict="evict_first")
     assert "L2::evict_first" in hinted.asm["ptx"] and "L2::cache_hint" not in plain.asm["ptx"]
     assert s.registers(hinted, "fp8_gemv_kernel") == s.registers(plain, "fp8_gemv_kernel")
+
+
+@pytest.mark.parametrize("arch", [90, 121])
+def test_gemv_asks_l2_for_its_later_k_steps_before_the_pdl_wait(arch):
+    """GemvConfig.l2_ahead: the FP8 GEMV (the output projection at one and four tokens) and the router's
+    plain one issue one L2 prefetch a thread for each later k step, all before griddepcontrol.wait, and no
+    more than a program has steps; none without it, and no stack either way."""
+    s = _tools()
+    from dataclasses import replace
+
+    from sparkchat.engine.kernels import fp8_gemv as g
+
+    for kind, T, N, K, steps_after_first in (("block", 1, 2560, 4096, 1), ("block", 4, 2560, 4096, 3),
+                                             ("plain", 1, 512, 2560, 3)):
+        cfg = g.gemv_config(kind, T, N, K)
+        for ahead in (0, 2, 8):
+            kernel, _ = s.fma_gemv(arch, T, N, K, replace(cfg, l2_ahead=ahead), plain=kind == "plain")
+            lines = kernel.asm["ptx"].splitlines()
+            wait = next(i for i, line in enumerate(lines) if "griddepcontrol.wait" in line)
+            asks = [i for i, line in enumerate(lines) if "prefetch.global.L2::evict_last" in line]
+            assert len(asks) == min(ahead, steps_after_first), (kind, T, ahead, len(asks))
+            assert all(i < wait for i in asks), (kind, T, ahead)
+            assert s.stack_frame(kernel, "fp8_gemv_kernel") in (0, None), (kind, T, ahead)

@@ -24,6 +24,7 @@ import triton.language as tl
 
 from sparkchat.engine.kernels.counters import arrival_counters
 from sparkchat.engine.kernels.device import interpreting
+from sparkchat.engine.kernels.l2_prefetch import ask_l2_tile
 from sparkchat.engine.kernels.norm_rows import SCALE_BLOCK, _norm_rows, norm_rows_kernel
 from sparkchat.engine.kernels.overrides import field_overrides, weight_eviction
 from sparkchat.engine.kernels.packed_acts import _store_packed
@@ -175,6 +176,7 @@ def fp8_gemv_kernel(
     xn_ssq_ptr=None, xn_w_ptr=None, xn_h_ptr=None, xn_eps=0.0, XN_NSQ: tl.constexpr = 0, XN_NSQP: tl.constexpr = 1,
     XN_WRITE: tl.constexpr = True, xn_hx_ptr=None, XN_HX: tl.constexpr = False,
     EVICT: tl.constexpr = "",  # the weights' L2 eviction hint (overrides.weight_eviction)
+    L2_AHEAD: tl.constexpr = 0,  # GemvConfig.l2_ahead (0 under the interpreter)
 ):
     """Rows [pid*RS*BN, +RS*BN) of y = x @ w.T for T tokens, over this program's share of K. The
     program holds RS row tiles of [BN, BK] fp8 per k step; each token's activation chunk is loaded
@@ -202,6 +204,12 @@ def fp8_gemv_kernel(
             accs = accs + (tl.zeros([BN, BK], dtype=tl.float32),)
     # The first k step's weights are loaded before pdl_wait: they overlap the previous kernel's tail.
     ws, sc = _gemv_weights(w_ptr, s_ptr, r0, k_lo, sub, kk, N, K, KB, BN, RS, EVEN_N, EVEN_K, SCALE, EVICT)
+    # and the lines of the next L2_AHEAD k steps, which the loop reads after the wait, asked of L2 now:
+    # no registers held, and HBM fetches them while the previous kernel's chain leaves it idle
+    if L2_AHEAD:
+        for st in tl.static_range(1, L2_AHEAD + 1):
+            if st * BK < KS:
+                ask_l2_tile(w_ptr, r0, k_lo + st * BK, N, K, RS * BN, BK)
     pdl_wait(PDL)
     XN: tl.constexpr = XN_NSQ > 0
     if XN:
@@ -512,6 +520,9 @@ class GemvConfig:
     mma: bool = False  # fp8_mma_kernel: bn rows x 16 tokens tensor-core tiles (bk ≤ 128 with block scales)
     stages: int = 3  # mma: k steps of weights in flight
     kacc: int = 0  # FMA kernel, > 0: [bn, kacc] accumulators, each thread summing its own bk/kacc columns first
+    # FMA kernel, PDL: the k steps after the first (at most this many) whose weight lines a program asks L2
+    # for before its wait, as well as loading the first into registers (l2_prefetch.ask_l2_tile)
+    l2_ahead: int = 0
 
 
 # Best measured on the H200 at the Ling-3.0-flash shapes, by (kind, T, N, K); docs/benchmarks.md has
@@ -651,12 +662,22 @@ def _gemv(x, w, s, y, pmax, pidx, scale_kind: int, out_kind: int, cfg: GemvConfi
                              **pdl_args(x.device))
         return
     assert 128 % (cfg.bn * cfg.rs) == 0, "bn * rs must divide the 128-row scale block"
-    evict = weight_eviction(2, x.device)
-    if evict:
-        extra = dict(extra, EVICT=evict)
+    extra = dict(extra, **_gemv_hints(cfg, x))
     fp8_gemv_kernel[grid](x, w, s, y, pmax, pidx, T=T, N=N, K=K, BN=cfg.bn, RS=cfg.rs, BK=bk, UNROLL=cfg.unroll,
                           SCALE=scale_kind, OUT=out_kind, SPLIT=split, PREFETCH=cfg.prefetch, ROW_ACC=cfg.row_acc,
                           KACC=_kacc(cfg, bk), num_warps=cfg.warps, **extra, **pdl_args(x.device))
+
+
+def _gemv_hints(cfg: GemvConfig, x: torch.Tensor) -> dict:
+    """fp8_gemv_kernel's memory hints for this launch: the weights' L2 eviction policy
+    (overrides.weight_eviction) and the config's l2_ahead (compiled out under the interpreter)."""
+    hints = {}
+    evict = weight_eviction(2, x.device)
+    if evict:
+        hints["EVICT"] = evict
+    if cfg.l2_ahead and x.is_cuda and not interpreting():
+        hints["L2_AHEAD"] = cfg.l2_ahead
+    return hints
 
 
 def _kacc(cfg: GemvConfig, bk: int) -> int:
@@ -936,9 +957,7 @@ def plain_gemv_partials(x: torch.Tensor, w: torch.Tensor, config: GemvConfig | N
     split = _split_for(K, bk, cfg.split)
     part = torch.empty(split, T, N, dtype=torch.float32, device=x.device)
     x, extra = _split_norm_input(x, split_norm)
-    evict = weight_eviction(2, x.device)
-    if evict:
-        extra = dict(extra, EVICT=evict)
+    extra = dict(extra, **_gemv_hints(cfg, x))
     fp8_gemv_kernel[(triton.cdiv(N, cfg.bn * cfg.rs), split)](
         x, w, w, part, part, part, T=T, N=N, K=K, BN=cfg.bn, RS=cfg.rs, BK=bk, UNROLL=cfg.unroll, SCALE=2,
         SPLIT=split, PREFETCH=cfg.prefetch, ROW_ACC=cfg.row_acc, OUT=3, KACC=_kacc(cfg, bk), num_warps=cfg.warps,

@@ -35,6 +35,7 @@ import triton.language as tl
 
 from sparkchat.engine.kernels.device import interpreting
 from sparkchat.engine.kernels.fp8_gemv import GemvConfig, plain_gemv_partials, take_split_norm
+from sparkchat.engine.kernels.l2_prefetch import ask_l2
 from sparkchat.engine.kernels.pdl import pdl_args, pdl_wait
 
 
@@ -68,17 +69,13 @@ def _prefetch_l2(ptr, first, n_lines, LINES: tl.constexpr, PACE: tl.constexpr = 
         t0 = _clock()
         for r in tl.static_range(LINES // 32):
             line = first + r * 32 + tl.arange(0, 32)
-            ptrs = ptr + tl.minimum(line, n_lines - 1).to(tl.int64) * 128
-            tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1];\n mov.u32 $0, 0;", "=r,l", [ptrs],
-                                      dtype=tl.int32, is_pure=False, pack=1)
+            ask_l2(ptr + tl.minimum(line, n_lines - 1).to(tl.int64) * 128)
             t = _clock()
             while t - t0 < (r + 1) * PACE:
                 t = _clock()
     else:
         line = first + tl.arange(0, LINES)
-        ptrs = ptr + tl.minimum(line, n_lines - 1).to(tl.int64) * 128
-        tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1];\n mov.u32 $0, 0;", "=r,l", [ptrs],
-                                  dtype=tl.int32, is_pure=False, pack=1)
+        ask_l2(ptr + tl.minimum(line, n_lines - 1).to(tl.int64) * 128)
 
 
 @triton.jit
