@@ -301,14 +301,14 @@ def kda_step(arch: int, T: int = 1, programs: int = 4, warps: int = 4, keep: boo
     return compile_kernel(kd.kda_decode_kernel, sig, cx, warps, arch)
 
 
-def mma_gemv(arch: int) -> tuple[object, float]:
-    """The tensor-core FP8 GEMV as a 4-token verify launches it for KDA's fused projection: (the
-    compiled kernel, weights a thread streams per k step)."""
+def mma_gemv(arch: int, l2_ahead: int = 0) -> tuple[object, float]:
+    """The tensor-core FP8 GEMV as a 4-token verify launches it for KDA's fused projection (l2_ahead: with
+    GemvConfig.l2_ahead set so): (the compiled kernel, weights a thread streams per k step)."""
     from sparkchat.engine.kernels import fp8_gemv as g
 
     cfg = g.gemv_config("block", 4, 20480, H)
     cx = dict(T=4, N=20480, K=H, BM=cfg.bn, BK=cfg.bk, SCALE=0, OUT=0, SPLIT=cfg.split, STAGES=cfg.stages,
-              XS=0, XU=0, X_SWIGLU=False, PDL=True)
+              XS=0, XU=0, X_SWIGLU=False, PDL=True, L2_AHEAD=l2_ahead)
     return compile_kernel(g.fp8_mma_kernel, _GEMV_SIG, cx, cfg.warps, arch), cfg.bn * cfg.bk / (32 * cfg.warps)
 
 

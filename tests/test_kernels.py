@@ -560,6 +560,10 @@ def test_gemv_asking_l2_ahead_gives_the_same_bits_gpu(T, N, K, ahead):
     cfg = gemv_config("block", T, N, K)
     want = fp8_block_gemv(x, w, si, config=cfg)
     assert torch.equal(fp8_block_gemv(x, w, si, config=replace(cfg, l2_ahead=ahead)), want)
+    if T > 1 and N >= 512:  # the tensor-core kernel, which asks from its first step
+        mma = replace(cfg, bn=64, rs=1, bk=128, warps=4, split=1, mma=True, stages=3, row_acc=False, kacc=0)
+        want = fp8_block_gemv(x, w, si, config=mma)
+        assert torch.equal(fp8_block_gemv(x, w, si, config=replace(mma, l2_ahead=ahead)), want)
     wp = torch.randn(512, K, generator=gen).bfloat16().cuda()
     plain = gemv_config("plain", T, 512, K)
     assert torch.equal(plain_gemv_partials(x, wp, replace(plain, l2_ahead=ahead)), plain_gemv_partials(x, wp, plain))

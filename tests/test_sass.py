@@ -386,7 +386,8 @@ def test_weight_streams_marked_evict_first_keep_their_registers(arch):
 def test_gemv_asks_l2_for_its_later_k_steps_before_the_pdl_wait(arch):
     """GemvConfig.l2_ahead: the FP8 GEMV (the output projection at one and four tokens) and the router's
     plain one issue one L2 prefetch a thread for each later k step, all before griddepcontrol.wait, and no
-    more than a program has steps; none without it, and no stack either way."""
+    more than a program has steps; none without it, and no stack either way; the tensor-core GEMV likewise
+    from its first step, with the same registers."""
     s = _tools()
     from dataclasses import replace
 
@@ -403,3 +404,13 @@ def test_gemv_asks_l2_for_its_later_k_steps_before_the_pdl_wait(arch):
             assert len(asks) == min(ahead, steps_after_first), (kind, T, ahead, len(asks))
             assert all(i < wait for i in asks), (kind, T, ahead)
             assert s.stack_frame(kernel, "fp8_gemv_kernel") in (0, None), (kind, T, ahead)
+    # the tensor-core GEMV loads nothing before its wait: it asks for the first steps (10 a program at KDA's shape)
+    regs = None
+    for ahead in (0, 3):
+        kernel, _ = s.mma_gemv(arch, l2_ahead=ahead)
+        lines = kernel.asm["ptx"].splitlines()
+        wait = next(i for i, line in enumerate(lines) if "griddepcontrol.wait" in line)
+        asks = [i for i, line in enumerate(lines) if "prefetch.global.L2::evict_last" in line]
+        assert len(asks) == ahead and all(i < wait for i in asks), (ahead, len(asks))
+        regs = regs or s.registers(kernel, "fp8_mma_kernel")
+        assert s.registers(kernel, "fp8_mma_kernel") == regs

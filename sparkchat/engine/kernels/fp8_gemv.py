@@ -312,6 +312,7 @@ def fp8_mma_kernel(
     PDL: tl.constexpr = False,
     xd_ptr=None,  # X_F16: fp32 [T, ceil(K/128)], the power of two undoing each block's scaling
     X_F16: tl.constexpr = False,  # x_ptr: fp16 [T, K], each 128-column block scaled as _f16_exact does
+    L2_AHEAD: tl.constexpr = 0,  # GemvConfig.l2_ahead (0 under the interpreter)
 ):
     """fp8_gemv_kernel's results for a window of T ≤ 16 tokens on the tensor cores: rows
     [pid*BM, +BM) of y = x @ w.T as [BM, 16] MMA tiles, the tokens (zero-padded to 16) the N side.
@@ -332,6 +333,10 @@ def fp8_mma_kernel(
     rmask = rows < N
     tmask = toks < T
     acc = tl.zeros([BM, TN], dtype=tl.float32)
+    if L2_AHEAD:  # nothing is loaded before the wait here: the first L2_AHEAD k steps' lines asked of L2
+        for st in tl.static_range(0, L2_AHEAD):
+            if st * BK < KS:
+                ask_l2_tile(w_ptr, pid * BM, k_lo + st * BK, N, K, BM, BK)
     pdl_wait(PDL)  # the activations are read inside the pipelined loop
     for kb in tl.range(0, KS, BK, num_stages=STAGES):
         cols = k_lo + kb + kk
@@ -520,8 +525,9 @@ class GemvConfig:
     mma: bool = False  # fp8_mma_kernel: bn rows x 16 tokens tensor-core tiles (bk ≤ 128 with block scales)
     stages: int = 3  # mma: k steps of weights in flight
     kacc: int = 0  # FMA kernel, > 0: [bn, kacc] accumulators, each thread summing its own bk/kacc columns first
-    # FMA kernel, PDL: the k steps after the first (at most this many) whose weight lines a program asks L2
-    # for before its wait, as well as loading the first into registers (l2_prefetch.ask_l2_tile)
+    # with PDL: how many k steps' weight lines, past what a program loads into registers before its wait (the
+    # FMA kernel's first step, nothing in the tensor-core one), it asks L2 for before that wait
+    # (l2_prefetch.ask_l2_tile): HBM fetches them while the kernels before finish their chains
     l2_ahead: int = 0
 
 
@@ -659,7 +665,7 @@ def _gemv(x, w, s, y, pmax, pidx, scale_kind: int, out_kind: int, cfg: GemvConfi
             x, extra = xh, dict(extra, xd_ptr=xd, X_F16=True)
         fp8_mma_kernel[grid](x, w, s, y, pmax, pidx, T=T, N=N, K=K, BM=cfg.bn, BK=bk, SCALE=scale_kind,
                              OUT=out_kind, SPLIT=split, STAGES=cfg.stages, num_warps=cfg.warps, **extra,
-                             **pdl_args(x.device))
+                             **_l2_ahead(cfg, x), **pdl_args(x.device))
         return
     assert 128 % (cfg.bn * cfg.rs) == 0, "bn * rs must divide the 128-row scale block"
     extra = dict(extra, **_gemv_hints(cfg, x))
@@ -671,13 +677,13 @@ def _gemv(x, w, s, y, pmax, pidx, scale_kind: int, out_kind: int, cfg: GemvConfi
 def _gemv_hints(cfg: GemvConfig, x: torch.Tensor) -> dict:
     """fp8_gemv_kernel's memory hints for this launch: the weights' L2 eviction policy
     (overrides.weight_eviction) and the config's l2_ahead (compiled out under the interpreter)."""
-    hints = {}
     evict = weight_eviction(2, x.device)
-    if evict:
-        hints["EVICT"] = evict
-    if cfg.l2_ahead and x.is_cuda and not interpreting():
-        hints["L2_AHEAD"] = cfg.l2_ahead
-    return hints
+    return {**_l2_ahead(cfg, x), **({"EVICT": evict} if evict else {})}
+
+
+def _l2_ahead(cfg: GemvConfig, x: torch.Tensor) -> dict:
+    """Either GEMV kernel's L2_AHEAD for cfg (none under the interpreter, which has no inline assembly)."""
+    return {"L2_AHEAD": cfg.l2_ahead} if cfg.l2_ahead and x.is_cuda and not interpreting() else {}
 
 
 def _kacc(cfg: GemvConfig, bk: int) -> int:
