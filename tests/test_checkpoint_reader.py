@@ -164,7 +164,8 @@ def test_a_load_that_drops_the_page_cache_leaves_none_of_the_weights_cached(tmp_
         pytest.skip(f"the file system under {tmp_path} keeps no page cache that advice can drop")
     pages = -(-path.stat().st_size // mmap.PAGESIZE)
     path.read_bytes()  # as a download leaves it
-    assert _resident_pages(path) == pages
+    # (nearly) all cached: a busy machine's kernel may reclaim a few pages at any time
+    assert _resident_pages(path) > pages * 0.9
 
     reader = CheckpointReader(tmp_path, "cpu", drop_page_cache=True)
     assert _resident_pages(path) == 0  # dropped before any weight is read
@@ -179,7 +180,7 @@ def test_a_load_that_drops_the_page_cache_leaves_none_of_the_weights_cached(tmp_
     reader = CheckpointReader(tmp_path, "cpu")  # the default keeps what it reads cached
     for name in tensors:
         reader.get(name)
-    assert _resident_pages(path) == pages
+    assert _resident_pages(path) > pages * 0.9
 
 
 def test_read_spans_merge_in_any_order(tmp_path):
