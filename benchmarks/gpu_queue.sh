@@ -285,13 +285,14 @@ evict2() {  # next: each eviction bit alone (against none), then the prefetch's 
 s37() {  # an H200's first call, when starts keep failing. GEMVs asking L2 for their later k steps before their PDL
     # wait (GemvConfig.l2_ahead: the output projections and the router logits at one and four tokens; then the KDA and MLA
     # input projection's next step, 4 steps of its verify's) and sessions 34 + 36's sm_90 defaults (the paced L2 prefetch, the
-    # evict_first weight streams; neither timed on an H200) against off, then the bench table with every default
-    timeout 90 python3 -m pytest -q -rf tests/test_kernels.py -k "l2_ahead or vectorized or shared_expert" 2>&1 \
-        | grep -E "FAILED|passed|failed|error" | tee "$OUT/kernel-tests.txt"
+    # evict_first weight streams; neither timed on an H200) against off, then the bench table with every default, then
+    # the kernel tests (last: the A/B's logits against off check the new paths first)
     timeout 280 python3 benchmarks/profile_step.py --rounds 2 \
         --switch SPARKCHAT_GEMV_CONFIG=block.1.2560.4096.l2_ahead:1/plain.1.512.2560.l2_ahead:3/block.4.2560.4096.l2_ahead:3,block.1.2560.4096.l2_ahead:1/plain.1.512.2560.l2_ahead:3/block.4.2560.4096.l2_ahead:3/block.1.20480.2560.l2_ahead:1/block.1.6912.2560.l2_ahead:1/block.4.20480.2560.l2_ahead:4 \
         --switch SPARKCHAT_WEIGHT_EVICT=3+SPARKCHAT_L2_PREFETCH_MB=8 2>&1 | tee "$OUT/ab-ahead-sm90.txt"
     timeout 180 python3 -m sparkchat bench --context 1024 --iters 20 2>&1 | tee "$OUT/bench.txt"
+    timeout 90 python3 -m pytest -q -rf tests/test_kernels.py -k "l2_ahead or vectorized or shared_expert" 2>&1 \
+        | grep -E "FAILED|passed|failed|error" | tee "$OUT/kernel-tests.txt"
 }
 
 bench() {
