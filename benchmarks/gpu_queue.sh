@@ -2,7 +2,7 @@
 # The GPU runs waiting for a development GPU, as named batches, so a lent machine starts on them at once.
 #
 #   bash benchmarks/gpu_queue.sh wheels        # here (with package registries): the wheels the GPU box lacks
-#   bash benchmarks/gpu_queue.sh quick|qbench|gemvs|verify|pipeline|sampled|handoff|decode|tails|verify4|race|first|ab|tests|configs|l2|l2check|l2pace|s36|s37|evict2|bench|load   # on the GPU box, logs under $OUT (default ./gpu-out)
+#   bash benchmarks/gpu_queue.sh quick|qbench|gemvs|verify|pipeline|sampled|handoff|decode|tails|verify4|race|first|ab|tests|configs|l2|l2check|l2pace|s38|evict2|bench|load   # on the GPU box, logs under $OUT (default ./gpu-out)
 #
 # The GPU box has torch, triton and transformers, but not this project's other dependencies, nor the
 # transformers the tiny test models need (5.24), and it cannot fetch: `wheels` downloads them into .whl2/
@@ -257,21 +257,6 @@ l2pace() {
         | tee "$OUT/loop-decode-l2.txt"
 }
 
-s36() {  # session 36's first look, when device time is short: each candidate 2 rounds in the graphed step (its
-    # logits against off check it too), KDA's tail knocked out, then the kernel tests (on an H200 the paced L2
-    # prefetch as well: its default on sm_90 was timed on H100s only)
-    local sw="--switch SPARKCHAT_WEIGHT_EVICT=3 --switch SPARKCHAT_MLA_CONFIG=1.block_m:16,1.block_m:16/1.warps:4"
-    nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && sw="--switch SPARKCHAT_L2_PREFETCH_MB=8 $sw"
-    # shellcheck disable=SC2086
-    timeout 250 python3 benchmarks/profile_step.py --rounds 2 $sw 2>&1 | tee "$OUT/ab-evict-mla.txt"
-    timeout 110 python3 benchmarks/profile_step.py --knockout --knockout-only everything,no-kda-tail \
-        --knockout-rounds 2 2>&1 | tee "$OUT/knockout-kda-tail.txt"
-    SPARKCHAT_WEIGHT_EVICT=3 timeout 110 python3 -m pytest -q -rf tests/test_kernels.py \
-        -k "vectorized or shared_expert or fp8_block_gemv_gpu" 2>&1 | grep -E "FAILED|passed|failed|error" | tee "$OUT/evict-kernel-tests.txt"
-    SPARKCHAT_MLA_CONFIG=1.block_m:16/1.warps:4 timeout 60 python3 -m pytest -q tests/test_mla_kernel.py -k cuda \
-        2>&1 | tail -3 | tee "$OUT/mla-config-tests.txt"
-}
-
 evict2() {  # next: each eviction bit alone (against none), then the prefetch's size now that its lines are
     # protected (each against no prefetch, eviction on by default), then the MLA split by 16 heads again, 4 rounds
     timeout 260 python3 benchmarks/profile_step.py --rounds 3 --switch SPARKCHAT_WEIGHT_EVICT=1,2,3,7 2>&1 \
@@ -282,17 +267,16 @@ evict2() {  # next: each eviction bit alone (against none), then the prefetch's 
         | tee "$OUT/ab-mla-16.txt"
 }
 
-s37() {  # an H200's first call, when starts keep failing. GEMVs asking L2 for their later k steps before their PDL
-    # wait (GemvConfig.l2_ahead: the output projections and the router logits at one and four tokens; then the KDA and MLA
-    # input projection's next step, 4 steps of its verify's) and sessions 34 + 36's sm_90 defaults (the paced L2 prefetch, the
-    # evict_first weight streams; neither timed on an H200) against off, then the bench table with every default, then
-    # the kernel tests (last: the A/B's logits against off check the new paths first)
-    timeout 280 python3 benchmarks/profile_step.py --rounds 2 \
-        --switch SPARKCHAT_GEMV_CONFIG=block.1.2560.4096.l2_ahead:1/plain.1.512.2560.l2_ahead:3/block.4.2560.4096.l2_ahead:3,block.1.2560.4096.l2_ahead:1/plain.1.512.2560.l2_ahead:3/block.4.2560.4096.l2_ahead:3/block.1.20480.2560.l2_ahead:1/block.1.6912.2560.l2_ahead:1/block.4.20480.2560.l2_ahead:4 \
-        --switch SPARKCHAT_WEIGHT_EVICT=3+SPARKCHAT_L2_PREFETCH_MB=8 2>&1 | tee "$OUT/ab-ahead-sm90.txt"
-    timeout 180 python3 -m sparkchat bench --context 1024 --iters 20 2>&1 | tee "$OUT/bench.txt"
-    timeout 90 python3 -m pytest -q -rf tests/test_kernels.py -k "l2_ahead or vectorized or shared_expert" 2>&1 \
-        | grep -E "FAILED|passed|failed|error" | tee "$OUT/kernel-tests.txt"
+s38() {  # next: session 37's defaults (the router logits GEMV asking L2 ahead, the prefetch's rounds 650 cycles apart)
+    # against the old ones in one process (session 37 compared them across processes), then the whole sm_90 L2 plan
+    # against none (on an H200 for the first time), then the bench table and the step's timeline
+    timeout 200 python3 benchmarks/profile_step.py --rounds 4 --switch \
+        "SPARKCHAT_GEMV_CONFIG=0+SPARKCHAT_L2_PREFETCH_PACE=650|SPARKCHAT_GEMV_CONFIG=plain.1.512.2560.l2_ahead:0+SPARKCHAT_L2_PREFETCH_PACE=800" \
+        2>&1 | tee "$OUT/ab-s37-defaults.txt"
+    timeout 150 python3 benchmarks/profile_step.py --rounds 3 --switch \
+        "SPARKCHAT_WEIGHT_EVICT=3+SPARKCHAT_L2_PREFETCH_MB=8+SPARKCHAT_GEMV_CONFIG=0|SPARKCHAT_WEIGHT_EVICT=0+SPARKCHAT_L2_PREFETCH_MB=0+SPARKCHAT_GEMV_CONFIG=plain.1.512.2560.l2_ahead:0" \
+        2>&1 | tee "$OUT/ab-sm90-plan.txt"
+    bench
 }
 
 bench() {
@@ -309,6 +293,6 @@ load() {  # the checkpoint reader to the GPU: mmap vs plain reads, and the page 
 
 case "${1:-}" in
     wheels) wheels ;;
-    quick|qbench|gemvs|verify|pipeline|sampled|handoff|decode|tails|verify4|race|first|ab|tests|configs|l2|l2check|l2pace|s36|s37|evict2|bench|load) install_wheels; "$1" ;;
-    *) echo "usage: $0 wheels|quick|qbench|gemvs|verify|pipeline|sampled|handoff|decode|tails|verify4|race|first|ab|tests|configs|l2|l2check|l2pace|s36|s37|evict2|bench|load" >&2; exit 2 ;;
+    quick|qbench|gemvs|verify|pipeline|sampled|handoff|decode|tails|verify4|race|first|ab|tests|configs|l2|l2check|l2pace|s38|evict2|bench|load) install_wheels; "$1" ;;
+    *) echo "usage: $0 wheels|quick|qbench|gemvs|verify|pipeline|sampled|handoff|decode|tails|verify4|race|first|ab|tests|configs|l2|l2check|l2pace|s38|evict2|bench|load" >&2; exit 2 ;;
 esac

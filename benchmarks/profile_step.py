@@ -302,16 +302,31 @@ def compare_overlap(model, state: ConversationState) -> None:
 
 def switch_variants(name: str) -> list[list[tuple[str, str]]]:
     """--switch NAME's variants, each a list of (variable, value), the switches-off one last: A=1+B=2
-    sets both, then both 0; NAME=VALUE alternates VALUE and 0; NAME=V1,V2 each of them, then 0.
-    A variant equal to the off one would time nothing: refused."""
+    sets both, then both 0; NAME=VALUE alternates VALUE and 0; NAME=V1,V2 each of them, then 0. Any of
+    them followed by |A=x+B=y: that, not 0, is what they are timed against (an old default that is not
+    off, e.g.), over the same variables. A variant equal to the off one would time nothing: refused."""
+    name, bar, against = name.partition("|")
+    variants = _switch_on_off(name)
+    if bar:
+        base = [(n, v) for n, _, v in (part.partition("=") for part in against.split("+"))]
+        if sorted(n for n, _ in base) != sorted(n for n, _ in variants[-1]) or not all(v for _, v in base):
+            raise SystemExit(f"--switch {name}|{against}: name every variable of the switch once, with a value")
+        order = [n for n, _ in variants[-1]]
+        variants[-1] = sorted(base, key=lambda nv: order.index(nv[0]))
+    if any(v == variants[-1] for v in variants[:-1]):
+        raise SystemExit(f"--switch {name}: a variant is the one it is timed against (the switches-off one, or"
+                         " the one after |); name another value")
+    return variants
+
+
+def _switch_on_off(name: str) -> list[list[tuple[str, str]]]:
+    """switch_variants without a `|` part: the switches-off one (every variable 0) last."""
     if "+" in name:
         settings = [part.partition("=") for part in name.split("+")]
         variants = [[(n, v or "1") for n, _, v in settings], [(n, "0") for n, _, _ in settings]]
     else:
         n, _, on = name.partition("=")
         variants = [[(n, v)] for v in (*(on or "1").split(","), "0")]
-    if any(v == variants[-1] for v in variants[:-1]):
-        raise SystemExit(f"--switch {name}: a variant is the switches-off one (0); name the value to time against 0")
     return variants
 
 

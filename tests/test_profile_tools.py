@@ -127,6 +127,17 @@ def test_every_switch_the_gpu_queue_alternates_times_something_against_off():
         profile_step.switch_variants("SPARKCHAT_MOE_TILE_X=0")
     assert profile_step.switch_variants("SPARKCHAT_MOE_TILE_X=1") == [[("SPARKCHAT_MOE_TILE_X", "1")],
                                                                       [("SPARKCHAT_MOE_TILE_X", "0")]]
+    # |...: timed against an old default that is not all zeros, over the same variables in the same order
+    assert profile_step.switch_variants("SPARKCHAT_T_A=0+SPARKCHAT_T_B=650|SPARKCHAT_T_B=800+SPARKCHAT_T_A=x") == [
+        [("SPARKCHAT_T_A", "0"), ("SPARKCHAT_T_B", "650")], [("SPARKCHAT_T_A", "x"), ("SPARKCHAT_T_B", "800")]]
+    assert profile_step.switch_variants("SPARKCHAT_T_A=1,2|SPARKCHAT_T_A=3") == [
+        [("SPARKCHAT_T_A", "1")], [("SPARKCHAT_T_A", "2")], [("SPARKCHAT_T_A", "3")]]
+    for bad in ("SPARKCHAT_T_A=1|SPARKCHAT_T_B=1", "SPARKCHAT_T_A=1+SPARKCHAT_T_B=2|SPARKCHAT_T_A=0",
+                "SPARKCHAT_T_A=1|SPARKCHAT_T_A"):
+        with pytest.raises(SystemExit, match="name every variable"):
+            profile_step.switch_variants(bad)
+    with pytest.raises(SystemExit, match="switches-off"):
+        profile_step.switch_variants("SPARKCHAT_T_A=2|SPARKCHAT_T_A=2")
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
@@ -146,22 +157,28 @@ def test_the_gpu_queue_moe_configs_parse(monkeypatch):
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
 def test_the_gpu_queue_gemv_configs_parse_and_name_real_shapes(monkeypatch):
-    """Each SPARKCHAT_GEMV_CONFIG value the queue alternates changes the config of a GEMV the one-token
-    step runs (a typo in a field raises; a shape nobody asks for would time the default against itself)."""
+    """Each SPARKCHAT_GEMV_CONFIG value the queue alternates, but "0" (the defaults, in a `+` or `|` switch),
+    changes the config of a GEMV the one-token step runs on the sm_90 GPUs the queue is for (a typo in a field
+    raises; a shape nobody asks for would time the default against itself)."""
     import re
 
+    from sparkchat.engine.kernels import router
     from sparkchat.engine.kernels.fp8_gemv import gemv_config
 
     queue = (Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_queue.sh").read_text()
-    specs = re.findall(r"SPARKCHAT_GEMV_CONFIG=([^\s\"]+)", queue)
+    specs = re.findall(r"SPARKCHAT_GEMV_CONFIG=([^\s\"+|]+)", queue)
     assert specs
-    shapes = [("plain", 1, 512, 2560), ("block", 1, 2560, 4096), ("block", 1, 20480, 2560), ("block", 4, 2560, 4096),
-              ("block", 4, 20480, 2560)]
+    shapes = [("block", 1, 2560, 4096), ("block", 1, 20480, 2560), ("block", 4, 2560, 4096), ("block", 4, 20480, 2560)]
+    monkeypatch.setattr(router, "is_sm90", lambda device: True)
+
+    def configs():  # the router's as route() picks it on sm_90 (asking L2 ahead by default), then the others
+        return [router._logits_config(torch.device("cuda"), 1, 512, 2560), *(gemv_config(*shape) for shape in shapes)]
+
     monkeypatch.delenv("SPARKCHAT_GEMV_CONFIG", raising=False)
-    defaults = [gemv_config(*shape) for shape in shapes]
-    for value in (v for spec in specs for v in spec.split(",")):
+    defaults = configs()
+    for value in (v for spec in specs for v in spec.split(",") if v != "0"):
         monkeypatch.setenv("SPARKCHAT_GEMV_CONFIG", value)
-        assert [gemv_config(*shape) for shape in shapes] != defaults, value
+        assert configs() != defaults, value
 
 
 def test_loop_trace_finds_the_gpus_idle_stretches_and_the_host_calls_in_them():

@@ -194,3 +194,25 @@ def test_l2_prefetch_size_defaults_to_sm90_only(monkeypatch):
     for value, want in (("12", 12_000_000), ("0.5", 500_000), ("0", 0), ("junk", 0), ("-3", 0)):
         monkeypatch.setenv("SPARKCHAT_L2_PREFETCH_MB", value)
         assert fastpath.l2_prefetch_bytes(torch.device("cuda", 0)) == want, value
+
+
+def test_router_logits_ask_l2_ahead_on_sm90_one_token_routes_only(monkeypatch):
+    """The router logits GEMV asks L2 for all its later k steps (ROUTER_L2_AHEAD) on sm_90 at one token,
+    where it was measured; not for verify windows nor on other devices (the DGX Spark's sm_121 among them);
+    SPARKCHAT_GEMV_CONFIG's l2_ahead for the shape wins, 0 included."""
+    from sparkchat.engine.kernels import router
+
+    monkeypatch.delenv("SPARKCHAT_GEMV_CONFIG", raising=False)
+    monkeypatch.setattr(router, "is_sm90", lambda device: device.type == "cuda" and device.index == 0)
+    sm90, other = torch.device("cuda", 0), torch.device("cuda", 1)
+    assert router._logits_config(sm90, 1, 512, 2560).l2_ahead == router.ROUTER_L2_AHEAD == 3
+    steps = 2560 // router.gemv_config("plain", 1, 512, 2560).split // router.gemv_config("plain", 1, 512, 2560).bk
+    assert router.ROUTER_L2_AHEAD == steps - 1  # every step after the one loaded before the wait
+    assert router._logits_config(sm90, 4, 512, 2560).l2_ahead == 0
+    assert router._logits_config(other, 1, 512, 2560).l2_ahead == 0
+    assert router._logits_config(torch.device("cpu"), 1, 512, 2560).l2_ahead == 0
+    monkeypatch.setenv("SPARKCHAT_GEMV_CONFIG", "plain.1.512.2560.l2_ahead:0")
+    assert router._logits_config(sm90, 1, 512, 2560).l2_ahead == 0
+    monkeypatch.setenv("SPARKCHAT_GEMV_CONFIG", "plain.1.512.2560.l2_ahead:1/plain.1.512.2560.split:4")
+    cfg = router._logits_config(sm90, 1, 512, 2560)
+    assert (cfg.l2_ahead, cfg.split) == (1, 4)

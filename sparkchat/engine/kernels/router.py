@@ -17,7 +17,9 @@ Latency-bound (one warp, one token: a chain of dependent steps), so each step is
   longer in the SASS (more instructions, ptxas serializing the picks' compares).
 With `l2_prefetch` (fastpath.l2_prefetch_bytes: 8 MB on sm_90 by default) the launch also has one-warp
 programs ask L2 for the last bytes of the next layer's first weight, paced, while HBM idles behind the
-router's chain: the H100's graphed step 2.44 -> 2.42 ms (docs/benchmarks.md session 34).
+router's chain: the H100's graphed step 2.44 -> 2.42 ms (docs/benchmarks.md session 34). On sm_90 the
+logits GEMV also asks L2 for its own later k steps before its wait (ROUTER_L2_AHEAD), with the prefetch's
+rounds shortened to end with the top-k: 2.405 -> 2.376 ms (session 37).
 Handing part of this work, or all of it, to the GEMV's last programs (an arrival counter, the partials
 read back from L2) cut the kernel's instructions but not the step: the H200's graphed step 2.081 ->
 2.108 ms with the scores made there, 2.082 -> 2.096-2.103 with the whole top-k there (docs/benchmarks.md
@@ -28,13 +30,15 @@ the GEMV writing it had finished (mxfp4_moe._shared_gate_up: two kernels back at
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import torch
 import triton
 import triton.language as tl
 
-from sparkchat.engine.kernels.device import interpreting
-from sparkchat.engine.kernels.fp8_gemv import GemvConfig, plain_gemv_partials, take_split_norm
+from sparkchat.engine.kernels.device import interpreting, is_sm90
+from sparkchat.engine.kernels.fp8_gemv import (GemvConfig, gemv_config, gemv_config_overrides, plain_gemv_partials,
+                                               take_split_norm)
 from sparkchat.engine.kernels.l2_prefetch import ask_l2
 from sparkchat.engine.kernels.pdl import pdl_args, pdl_wait
 
@@ -159,9 +163,25 @@ def _route_program(logits_ptr, bias_ptr, ids_ptr, w_ptr, scaling, t, E: tl.const
 ROUTE_WARPS = 1  # one warp: each selection's reductions are a REDUX each, no shared-memory round trip
 PREFETCH_LINES = 256  # 128-byte lines a prefetching program asks for (32 KB; 8 a lane of its one warp)
 # clock cycles between a prefetching program's rounds of 32 lines (SPARKCHAT_L2_PREFETCH_PACE; 0: all at
-# once): 8 MB in 8 rounds of ~1 MB, done in ~3 µs, before the MoE's stage 1 streams. Best of 500-1200 on
-# the H100 (docs/benchmarks.md session 34); all at once, the router's and top-k's loads queued behind them
-PREFETCH_PACE = 800
+# once): 8 MB in 8 rounds of ~1 MB, done in ~2.6 µs, before the MoE's stage 1 streams; all at once, the
+# router's and top-k's loads queued behind them. The launch ends with its last prefetching program, so
+# the rounds must end by the time the top-k does: 800 was best of 500-1200 on the H100 (docs/benchmarks.md
+# session 34) until the router's GEMV asked L2 ahead (ROUTER_L2_AHEAD); since then 650, the H100's graphed
+# step 2.397 -> 2.376 ms (session 37)
+PREFETCH_PACE = 650
+# sm_90, one token: the router logits GEMV asks L2 for all its later k steps before its PDL wait
+# (GemvConfig.l2_ahead), while HBM idles behind the output projection's chain: 5.00 -> 3.46 µs exposed a
+# layer on the H100 (docs/benchmarks.md session 37). SPARKCHAT_GEMV_CONFIG=plain.1.512.2560.l2_ahead:0 off.
+ROUTER_L2_AHEAD = 3
+
+
+def _logits_config(device: torch.device, T: int, E: int, K: int) -> GemvConfig:
+    """The router logits GEMV's config: the tuned one, asking L2 ahead (ROUTER_L2_AHEAD) at one token on
+    sm_90 unless SPARKCHAT_GEMV_CONFIG sets the shape's l2_ahead."""
+    cfg = gemv_config("plain", T, E, K)
+    if T == 1 and is_sm90(device) and "l2_ahead" not in gemv_config_overrides("plain", T, E, K):
+        cfg = replace(cfg, l2_ahead=ROUTER_L2_AHEAD)
+    return cfg
 
 
 def _int_env(name: str, default: int) -> int:
@@ -183,7 +203,8 @@ def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, groups: int
     split = take_split_norm(x)
     x = x.contiguous()
     if T <= 8 and x.dtype == torch.bfloat16 and (x.is_cuda or interpreting()):
-        logits = plain_gemv_partials(x, weight, gemv, split_norm=split)  # [S, T, E]: summed in order
+        cfg = gemv or _logits_config(x.device, T, E, x.shape[1])
+        logits = plain_gemv_partials(x, weight, cfg, split_norm=split)  # [S, T, E]: summed in order
     else:
         if split is not None:
             x = split.finish(x)
