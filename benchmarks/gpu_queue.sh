@@ -2,7 +2,7 @@
 # The GPU runs waiting for a development GPU, as named batches, so a lent machine starts on them at once.
 #
 #   bash benchmarks/gpu_queue.sh wheels        # here (with package registries): the wheels the GPU box lacks
-#   bash benchmarks/gpu_queue.sh quick|qbench|gemvs|verify|pipeline|sampled|handoff|decode|tails|verify4|race|first|ab|tests|configs|l2|l2check|l2pace|s38|evict2|bench|load   # on the GPU box, logs under $OUT (default ./gpu-out)
+#   bash benchmarks/gpu_queue.sh quick|qbench|gemvs|verify|pipeline|sampled|handoff|decode|tails|verify4|race|first|ab|tests|configs|l2|l2check|l2pace|s38|preload|evict2|bench|load   # on the GPU box, logs under $OUT (default ./gpu-out)
 #
 # The GPU box has torch, triton and transformers, but not this project's other dependencies, nor the
 # transformers the tiny test models need (5.24), and it cannot fetch: `wheels` downloads them into .whl2/
@@ -279,6 +279,23 @@ s38() {  # next: session 37's defaults (the router logits GEMV asking L2 ahead, 
     bench
 }
 
+# Every weight a program streams loaded into registers before its PDL wait (session 38, built on the CPU):
+# the router logits GEMV in one 512-column step of 8-row tiles (tuned: four 128-column steps, one before
+# the wait, the rest asked of L2 ahead on sm_90) and the one-token output projection in one 1024-column
+# step at 4 warps (tuned: two 512-column steps at 2 warps). Both compile to 48 registers and no stack on
+# sm_90 and sm_121 (the tuned ones: 52 and 72); HBM streams them while the kernels before finish their
+# chains. Then the step's timeline with both.
+preload() {
+    local router=plain.1.512.2560.bn:8/plain.1.512.2560.bk:512/plain.1.512.2560.unroll:1
+    local oproj=block.1.2560.4096.bk:1024/block.1.2560.4096.unroll:1/block.1.2560.4096.warps:4
+    timeout 150 python3 -m pytest -q tests/test_router_kernel.py tests/test_kernels.py \
+        -k "before_the_wait or moe_input_norm_finished" 2>&1 | tail -3 | tee "$OUT/preload-tests.txt"
+    timeout 300 python3 benchmarks/profile_step.py --rounds 3 \
+        --switch "SPARKCHAT_GEMV_CONFIG=$router,$oproj,$router/$oproj" 2>&1 | tee "$OUT/ab-preload.txt"
+    SPARKCHAT_GEMV_CONFIG="$router/$oproj" timeout 120 python3 benchmarks/profile_step.py --timeline \
+        2>&1 | tee "$OUT/timeline-preload.txt"
+}
+
 bench() {
     timeout 300 python3 -m sparkchat bench --context 1024 --iters 20 2>&1 | tee "$OUT/bench.txt"
     timeout 120 python3 benchmarks/profile_step.py --timeline 2>&1 | tee "$OUT/timeline.txt"
@@ -293,6 +310,6 @@ load() {  # the checkpoint reader to the GPU: mmap vs plain reads, and the page 
 
 case "${1:-}" in
     wheels) wheels ;;
-    quick|qbench|gemvs|verify|pipeline|sampled|handoff|decode|tails|verify4|race|first|ab|tests|configs|l2|l2check|l2pace|s38|evict2|bench|load) install_wheels; "$1" ;;
-    *) echo "usage: $0 wheels|quick|qbench|gemvs|verify|pipeline|sampled|handoff|decode|tails|verify4|race|first|ab|tests|configs|l2|l2check|l2pace|s38|evict2|bench|load" >&2; exit 2 ;;
+    quick|qbench|gemvs|verify|pipeline|sampled|handoff|decode|tails|verify4|race|first|ab|tests|configs|l2|l2check|l2pace|s38|preload|evict2|bench|load) install_wheels; "$1" ;;
+    *) echo "usage: $0 wheels|quick|qbench|gemvs|verify|pipeline|sampled|handoff|decode|tails|verify4|race|first|ab|tests|configs|l2|l2check|l2pace|s38|preload|evict2|bench|load" >&2; exit 2 ;;
 esac

@@ -154,6 +154,39 @@ def test_router_kernel_with_l2_prefetch_routes_the_same():
     run_script(PREFETCH_SCRIPT)
 
 
+PRELOAD_SCRIPT = """
+import os
+import torch
+from sparkchat.engine.nn.moe import route as ref
+from sparkchat.engine.kernels.router import _logits_config, route
+dev = "cuda" if torch.cuda.is_available() else "cpu"
+torch.manual_seed(4)
+E, G, TG, K, H = 512, 8, 4, 8, 2560
+W = (torch.randn(E, H, device=dev) / 50).bfloat16()
+b = torch.randn(E, device=dev) * 0.01
+# the tuned config (4 k steps a split, one loaded before the PDL wait), then gpu_queue.sh preload's:
+# 8-row tiles in one 512-column step, so that a program loads all its weights before the wait
+for spec in ("0", "plain.1.512.2560.bn:8/plain.1.512.2560.bk:512/plain.1.512.2560.unroll:1"):
+    os.environ["SPARKCHAT_GEMV_CONFIG"] = spec
+    cfg = _logits_config(torch.device(dev), 1, E, H)
+    assert (cfg.bk, cfg.split) == ((128, 5) if spec == "0" else (512, 5)), cfg
+    for _ in range(3):
+        x = torch.randn(1, H, device=dev).bfloat16()
+        i1, w1 = ref(x, W, b, G, TG, K, 2.5, True)
+        i2, w2 = route(x, W, b, G, TG, K, 2.5, True)
+        assert torch.equal(i1, i2), (spec, i1, i2)
+        assert torch.allclose(w1, w2, atol=1e-5), (spec, w1, w2)
+print("ok")
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed (CPU-only CI)")
+def test_router_logits_with_every_weight_loaded_before_the_wait():
+    """The router logits GEMV in one k step a split (the config gpu_queue.sh's preload batch times) routes
+    as the twin does at the Ling shape, as the tuned config does."""
+    run_script(PRELOAD_SCRIPT)
+
+
 def test_router_hands_its_prefetch_to_one_token_routes_only(monkeypatch):
     """Router.forward passes the GPU path's l2_prefetch bytes to the kernel route for one token (a decode
     step), never for a window, and not when the bytes are off (None)."""
