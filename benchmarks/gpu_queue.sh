@@ -279,20 +279,30 @@ s38() {  # next: session 37's defaults (the router logits GEMV asking L2 ahead, 
     bench
 }
 
-# Every weight a program streams loaded into registers before its PDL wait (session 38, built on the CPU):
-# the router logits GEMV in one 512-column step of 8-row tiles (tuned: four 128-column steps, one before
-# the wait, the rest asked of L2 ahead on sm_90) and the one-token output projection in one 1024-column
-# step at 4 warps (tuned: two 512-column steps at 2 warps). Both compile to 48 registers and no stack on
-# sm_90 and sm_121 (the tuned ones: 52 and 72); HBM streams them while the kernels before finish their
-# chains. Then the step's timeline with both.
+# Every weight a program streams loaded into registers before its PDL wait (session 38, built on the CPU),
+# while HBM idles behind the kernels before it: the router logits (plain.1.512.2560: tuned four 128-column
+# steps, one before the wait, the rest asked of L2 ahead on sm_90) and the one-token output projection
+# (block.1.2560.4096: tuned two 512-column steps). Two ways: other tiles, one step a program (the router in
+# 8-row tiles of 512 columns, the projection in 1024 columns at 4 warps: 48 registers each, no stack); or the
+# tuned tiles with GemvConfig.pre steps loaded before the wait (router pre 4: 52 -> 64 registers; projection
+# pre 2: 72, unchanged), and MLA's input projection's first two of five (92 -> 87). Also the 4-token verify's
+# output projection (block.4.2560.4096, 10.3 us exposed a call on the H200 for 2.4 us of bytes, session 32;
+# four 128-column steps a split, each step's loads after the last one's cross-warp sums): pre 2 (78 -> 86
+# registers, every program still resident) and pre 4 (103). sm_90 and sm_121 compiles, no stack. One model
+# build for both switch lists (the step and the verify each time); then the step's timeline with the pre
+# variants.
 preload() {
     local router=plain.1.512.2560.bn:8/plain.1.512.2560.bk:512/plain.1.512.2560.unroll:1
     local oproj=block.1.2560.4096.bk:1024/block.1.2560.4096.unroll:1/block.1.2560.4096.warps:4
-    timeout 150 python3 -m pytest -q tests/test_router_kernel.py tests/test_kernels.py \
-        -k "before_the_wait or moe_input_norm_finished" 2>&1 | tail -3 | tee "$OUT/preload-tests.txt"
-    timeout 300 python3 benchmarks/profile_step.py --rounds 3 \
-        --switch "SPARKCHAT_GEMV_CONFIG=$router,$oproj,$router/$oproj" 2>&1 | tee "$OUT/ab-preload.txt"
-    SPARKCHAT_GEMV_CONFIG="$router/$oproj" timeout 120 python3 benchmarks/profile_step.py --timeline \
+    local pre_r=plain.1.512.2560.pre:4 pre_o=block.1.2560.4096.pre:2 pre_m=block.1.6912.2560.pre:2
+    local pre_v2=block.4.2560.4096.pre:2 pre_v4=block.4.2560.4096.pre:4
+    timeout 100 python3 -m pytest -q tests/test_router_kernel.py tests/test_kernels.py \
+        -k "before_the_wait" 2>&1 | tail -3 | tee "$OUT/preload-tests.txt"
+    timeout 380 python3 benchmarks/profile_step.py --rounds 3 \
+        --switch "SPARKCHAT_GEMV_CONFIG=$router,$oproj,$router/$oproj" \
+        --switch "SPARKCHAT_GEMV_CONFIG=$pre_r,$pre_o,$pre_r/$pre_o,$pre_r/$pre_o/$pre_m,$pre_v2,$pre_v4" \
+        2>&1 | tee "$OUT/ab-preload.txt"
+    SPARKCHAT_GEMV_CONFIG="$pre_r/$pre_o" timeout 100 python3 benchmarks/profile_step.py --timeline \
         2>&1 | tee "$OUT/timeline-preload.txt"
 }
 

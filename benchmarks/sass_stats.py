@@ -190,7 +190,7 @@ def split_norm_kernels(arch: int) -> dict[str, tuple[int | None, int | None]]:
         plain = kind == "plain"
         cx = dict(T=1, N=N, K=K, BN=c.bn, RS=c.rs, BK=bk, UNROLL=c.unroll, SCALE=2 if plain else 0,
                   OUT=3 if split > 1 or plain or extra.get("ADD_NORM") else 0, SPLIT=split, PREFETCH=c.prefetch,
-                  ROW_ACC=c.row_acc, XS=0, XU=0, X_SWIGLU=False, PDL=True, KACC=g._kacc(c, bk),
+                  ROW_ACC=c.row_acc, XS=0, XU=0, X_SWIGLU=False, PDL=True, KACC=g._kacc(c, bk), PRE=c.pre,
                   **{"XN_NSQ": 0, "XN_NSQP": 1, "INTERPRET": False, **extra})
         sig = dict(_GEMV_SIG, w_ptr="*bf16", s_ptr="*bf16", y_ptr="*fp32") if plain else dict(_GEMV_SIG)
         if cx["OUT"] == 3:
@@ -318,7 +318,8 @@ def fma_gemv(arch: int, T: int, N: int, K: int, cfg=None, split_norm: int = 0,
     what the engine picks): (the compiled kernel, weights a thread streams per k step). split_norm: x is
     a split RMSNorm's input with that many sums of squares a token (fp8_block_gemv's split_norm). evict: the
     weights' L2 eviction hint (overrides.weight_eviction). plain: bf16 weights without scales, split-K partials
-    out, as the router's logits (plain_gemv_partials). cfg.l2_ahead as the engine launches it on a GPU."""
+    out, as the router's logits (plain_gemv_partials). cfg.l2_ahead and cfg.pre as the engine launches them on
+    a GPU."""
     from sparkchat.engine.kernels import fp8_gemv as g
 
     cfg = cfg or g.gemv_config("block", T, N, K)
@@ -326,7 +327,7 @@ def fma_gemv(arch: int, T: int, N: int, K: int, cfg=None, split_norm: int = 0,
     split = g._split_for(K, bk, cfg.split)
     cx = dict(T=T, N=N, K=K, BN=cfg.bn, RS=cfg.rs, BK=bk, UNROLL=cfg.unroll, SCALE=0, OUT=0 if split == 1 else 3,
               SPLIT=split, PREFETCH=cfg.prefetch, ROW_ACC=cfg.row_acc, XS=0, XU=0, X_SWIGLU=False, PDL=True,
-              KACC=g._kacc(cfg, bk), EVICT=evict, L2_AHEAD=cfg.l2_ahead)
+              KACC=g._kacc(cfg, bk), EVICT=evict, L2_AHEAD=cfg.l2_ahead, PRE=cfg.pre)
     sig = _GEMV_SIG
     if plain:
         sig = dict(sig, w_ptr="*bf16", s_ptr="*bf16", y_ptr="*fp32")
@@ -349,7 +350,7 @@ def add_norm_gemv(arch: int, cfg) -> tuple[object, list[str] | None]:
     split = g._split_for(K_, bk, cfg.split)
     cx = dict(T=1, N=N, K=K_, BN=cfg.bn, RS=cfg.rs, BK=bk, UNROLL=cfg.unroll, SCALE=0, OUT=3, SPLIT=split,
               PREFETCH=cfg.prefetch, ROW_ACC=cfg.row_acc, XS=0, XU=0, X_SWIGLU=False, PDL=True,
-              KACC=g._kacc(cfg, bk), ADD_NORM=True, NORM_LAST=False, XN_NSQ=0, XN_NSQP=1)
+              KACC=g._kacc(cfg, bk), ADD_NORM=True, NORM_LAST=False, XN_NSQ=0, XN_NSQP=1, PRE=cfg.pre)
     sig = dict(_GEMV_SIG, y_ptr="*fp32", cnt_ptr="*i32", res_ptr="*bf16", s_out_ptr="*bf16", ssq_ptr="*fp32")
     kernel = compile_kernel(g.fp8_gemv_kernel, sig, cx, cfg.warps, arch)
     return kernel, disassemble(kernel, "fp8_gemv_kernel")

@@ -1036,6 +1036,73 @@ _SPLIT_MOE_INPUT_SCRIPT = textwrap.dedent("""
 """)
 
 
+_PRE_SCRIPT = textwrap.dedent("""
+    import dataclasses
+    import torch
+    from sparkchat.engine.kernels import reference as ref
+    from sparkchat.engine.kernels.fp8_gemv import (GemvConfig, fp8_block_gemv, fp8_block_gemv_add_norm,
+                                                   plain_gemv_partials, take_split_norm)
+    from tests.test_kernels import make_fp8, rel_err
+    gen = torch.Generator().manual_seed(8)
+    pre = lambda cfg, n: dataclasses.replace(cfg, pre=n)
+    w, si = make_fp8(136, 1024, gen=gen)
+    for T in (1, 3):
+        x = torch.randn(T, 1024, generator=gen).bfloat16()
+        want = ref.fp8_block_gemv_reference(x, w, si)
+        # (config, k steps loaded before the wait): 2 of 2 a split, more than a split has (clamped), 3 of
+        # 4 with per-row sums, 2 of 2 with [bn, kacc] sums, 4 of 8 over two row tiles, and with the
+        # software-pipelined loop, which keeps its one step
+        for cfg, n in ((GemvConfig(bn=8, rs=1, bk=256, split=2), 2), (GemvConfig(bn=8, rs=1, bk=256, split=2), 5),
+                       (GemvConfig(bn=8, rs=1, bk=128, split=2, row_acc=True), 3),
+                       (GemvConfig(bn=8, rs=1, bk=256, kacc=16, split=2), 2), (GemvConfig(bn=8, rs=2, bk=128), 4),
+                       (GemvConfig(bn=16, rs=2, bk=128, split=4, prefetch=True), 2)):
+            base = fp8_block_gemv(x, w, si, config=cfg)
+            got = fp8_block_gemv(x, w, si, config=pre(cfg, n))
+            assert torch.equal(got, base), (T, cfg, n)  # the same steps summed in the same order
+            assert rel_err(got, want) < 1e-2, (T, cfg, n)
+        # K = 96, not a whole number of steps: one whole step and a part (64), or less than one (128)
+        xs = x[:, :96].contiguous()
+        ws_, ss_ = w[:, :96].contiguous(), si[:, :1].contiguous()
+        for cfg in (GemvConfig(bn=8, rs=1, bk=64), GemvConfig(bn=8, rs=1, bk=128)):
+            base = fp8_block_gemv(xs, ws_, ss_, config=cfg)
+            assert torch.equal(fp8_block_gemv(xs, ws_, ss_, config=pre(cfg, 2)), base), (T, cfg)
+            assert rel_err(base, ref.fp8_block_gemv_reference(xs, ws_, ss_)) < 1e-2, (T, cfg)
+        # the output projection with the add and the norm, split 4 (two steps a split)
+        res = torch.randn(T, 136, generator=gen).bfloat16()
+        nw = (torch.rand(136, generator=gen) + 0.5).bfloat16()
+        ocfg = GemvConfig(bn=8, rs=1, bk=128, split=4)
+        s0, h0 = fp8_block_gemv_add_norm(x, w, si, res, nw, 1e-6, config=ocfg)
+        s1, h1 = fp8_block_gemv_add_norm(x, w, si, res, nw, 1e-6, config=pre(ocfg, 2))
+        assert torch.equal(s0, s1) and torch.equal(h0, h1), T
+    # the router's plain GEMV finishing the MoE input norm (its activations: the norm's output, written to
+    # h as they load) with all four of its steps before the wait
+    H, D = 256, 128
+    wo, so = make_fp8(H, D, gen=gen)
+    wr = (torch.randn(16, H, generator=gen) / 16).bfloat16()
+    nw = (torch.rand(H, generator=gen) + 0.5).bfloat16()
+    ocfg, rcfg = GemvConfig(bn=8, rs=1, bk=64, warps=2, split=2), GemvConfig(bn=4, rs=1, bk=32, warps=1, split=2)
+    o = torch.randn(1, D, generator=gen).bfloat16()
+    res = (torch.randn(1, H, generator=gen) * 2).bfloat16()
+    outs = []
+    for n in (1, 4):
+        _, h = fp8_block_gemv_add_norm(o, wo, so, res, nw, 1e-6, config=ocfg, moe_x=True, split_norm=True)
+        h.fill_(float("nan"))
+        logits = plain_gemv_partials(h, wr, pre(rcfg, n), split_norm=take_split_norm(h))
+        assert not torch.isnan(h).any(), n  # every column of h written, the pre-wait steps' too
+        outs.append((h.clone(), logits))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    print("interpreter ok")
+""")
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+def test_gemv_steps_loaded_before_the_wait_under_triton_interpreter():
+    """GemvConfig.pre: k steps of weights loaded before the PDL wait give the very sums of the
+    step-by-step loop (split-K, per-row and kacc sums, two row tiles, add+norm, the router finishing
+    the MoE input norm); the software-pipelined loop ignores it."""
+    _run_interpreted(_PRE_SCRIPT)
+
+
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 def test_moe_input_norm_finished_by_the_router_under_triton_interpreter():
     """SPARKCHAT_SPLIT_MOE_INPUT_NORM=1 (and SPARKCHAT_SPLIT_NORM_WINDOW for verify windows): the output

@@ -414,3 +414,32 @@ def test_gemv_asks_l2_for_its_later_k_steps_before_the_pdl_wait(arch):
         assert len(asks) == ahead and all(i < wait for i in asks), (ahead, len(asks))
         regs = regs or s.registers(kernel, "fp8_mma_kernel")
         assert s.registers(kernel, "fp8_mma_kernel") == regs
+
+
+@pytest.mark.parametrize("arch", [90, 121])
+def test_gemv_loads_its_pre_steps_before_the_pdl_wait(arch):
+    """GemvConfig.pre: the FMA GEMV issues the weight loads of its first `pre` k steps (at most the steps a
+    program has) before griddepcontrol.wait (ACQBULK in the SASS), and no stack: the router logits (four
+    steps), the one-token output projection (two), MLA's input projection (five) and the 4-token verify's
+    output projection (four)."""
+    s = _tools()
+    from dataclasses import replace
+
+    from sparkchat.engine.kernels import fp8_gemv as g
+
+    for kind, T, N, K, steps in (("plain", 1, 512, 2560, 4), ("block", 1, 2560, 4096, 2), ("block", 1, 6912, 2560, 5),
+                                 ("block", 4, 2560, 4096, 4)):
+        cfg = g.gemv_config(kind, T, N, K)
+        one = None
+        for pre in (1, 2, 4, 8):
+            kernel, _ = s.fma_gemv(arch, T, N, K, replace(cfg, pre=pre), plain=kind == "plain")
+            lines = kernel.asm["ptx"].splitlines()
+            wait = next(i for i, line in enumerate(lines) if "griddepcontrol.wait" in line)
+            before = sum("ld.global" in line for line in lines[:wait])
+            one = one or before
+            assert before == min(pre, steps) * one, (kind, T, pre, before, one)
+            assert s.stack_frame(kernel, "fp8_gemv_kernel") in (0, None), (kind, T, pre)
+            sass = s.disassemble(kernel, "fp8_gemv_kernel")
+            if sass is not None:  # ptxas keeps them there
+                acq = next(i for i, ins in enumerate(sass) if "ACQBULK" in ins)
+                assert sum("LDG" in ins for ins in sass[:acq]) == before, (kind, T, pre)

@@ -177,6 +177,7 @@ def fp8_gemv_kernel(
     XN_WRITE: tl.constexpr = True, xn_hx_ptr=None, XN_HX: tl.constexpr = False,
     EVICT: tl.constexpr = "",  # the weights' L2 eviction hint (overrides.weight_eviction)
     L2_AHEAD: tl.constexpr = 0,  # GemvConfig.l2_ahead (0 under the interpreter)
+    PRE: tl.constexpr = 1,  # GemvConfig.pre: k steps of weights loaded into registers before pdl_wait
 ):
     """Rows [pid*RS*BN, +RS*BN) of y = x @ w.T for T tokens, over this program's share of K. The
     program holds RS row tiles of [BN, BK] fp8 per k step; each token's activation chunk is loaded
@@ -204,10 +205,19 @@ def fp8_gemv_kernel(
             accs = accs + (tl.zeros([BN, BK], dtype=tl.float32),)
     # The first k step's weights are loaded before pdl_wait: they overlap the previous kernel's tail.
     ws, sc = _gemv_weights(w_ptr, s_ptr, r0, k_lo, sub, kk, N, K, KB, BN, RS, EVEN_N, EVEN_K, SCALE, EVICT)
+    # PRE > 1 (not with PREFETCH): the next PRE - 1 steps' too, held in registers through the wait
+    PRE_N: tl.constexpr = 1 if (PREFETCH or KS <= BK) else (PRE if PRE * BK <= KS else KS // BK)  # whole steps
+    pre_ws = ()
+    pre_sc = ()
+    for st in tl.static_range(1, PRE_N):
+        w_st, sc_st = _gemv_weights(w_ptr, s_ptr, r0, k_lo + st * BK, sub, kk, N, K, KB, BN, RS, EVEN_N, EVEN_K,
+                                    SCALE, EVICT)
+        pre_ws = pre_ws + (w_st,)
+        pre_sc = pre_sc + (sc_st,)
     # and the lines of the next L2_AHEAD k steps, which the loop reads after the wait, asked of L2 now:
     # no registers held, and HBM fetches them while the previous kernel's chain leaves it idle
     if L2_AHEAD:
-        for st in tl.static_range(1, L2_AHEAD + 1):
+        for st in tl.static_range(PRE_N, PRE_N + L2_AHEAD):
             if st * BK < KS:
                 ask_l2_tile(w_ptr, r0, k_lo + st * BK, N, K, RS * BN, BK)
     pdl_wait(PDL)
@@ -231,7 +241,11 @@ def fp8_gemv_kernel(
             xs = xs_n
     else:
         accs = _gemv_step(accs, ws, xs, T, RS, ROW_ACC, KACC)
-        for kb in tl.range(BK, KS, BK, loop_unroll_factor=UNROLL):
+        for st in tl.static_range(1, PRE_N):  # the steps loaded before the wait, in k order
+            xs = _gemv_acts(x_ptr, pre_sc[st - 1], k_lo + st * BK, kk, T, K, EVEN_K, SCALE, XSTRIDE, XU, X_SWIGLU,
+                            lim, xn, XN, XN_WRITE, XN_HX, INTERPRET, xn_hx_ptr)
+            accs = _gemv_step(accs, pre_ws[st - 1], xs, T, RS, ROW_ACC, KACC)
+        for kb in tl.range(PRE_N * BK, KS, BK, loop_unroll_factor=UNROLL):
             k0 = k_lo + kb
             ws, xs = _gemv_loads(x_ptr, w_ptr, s_ptr, r0, k0, sub, kk, T, N, K, KB, BN, RS, EVEN_N, EVEN_K,
                                  SCALE, XSTRIDE, XU, X_SWIGLU, lim, xn, XN, XN_WRITE, XN_HX, INTERPRET, xn_hx_ptr,
@@ -526,9 +540,12 @@ class GemvConfig:
     stages: int = 3  # mma: k steps of weights in flight
     kacc: int = 0  # FMA kernel, > 0: [bn, kacc] accumulators, each thread summing its own bk/kacc columns first
     # with PDL: how many k steps' weight lines, past what a program loads into registers before its wait (the
-    # FMA kernel's first step, nothing in the tensor-core one), it asks L2 for before that wait
+    # FMA kernel's `pre` steps, nothing in the tensor-core one), it asks L2 for before that wait
     # (l2_prefetch.ask_l2_tile): HBM fetches them while the kernels before finish their chains
     l2_ahead: int = 0
+    # FMA kernel without prefetch: k steps of weights loaded into registers before the PDL wait and held
+    # through it (1: the first only; at most a program's steps), streamed while the kernels before finish
+    pre: int = 1
 
 
 # Best measured on the H200 at the Ling-3.0-flash shapes, by (kind, T, N, K); docs/benchmarks.md has
@@ -676,9 +693,10 @@ def _gemv(x, w, s, y, pmax, pidx, scale_kind: int, out_kind: int, cfg: GemvConfi
 
 def _gemv_hints(cfg: GemvConfig, x: torch.Tensor) -> dict:
     """fp8_gemv_kernel's memory hints for this launch: the weights' L2 eviction policy
-    (overrides.weight_eviction) and the config's l2_ahead (compiled out under the interpreter)."""
+    (overrides.weight_eviction), the config's l2_ahead (compiled out under the interpreter) and the
+    k steps it loads before its wait (cfg.pre; the default 1 is the kernel's own)."""
     evict = weight_eviction(2, x.device)
-    return {**_l2_ahead(cfg, x), **({"EVICT": evict} if evict else {})}
+    return {**_l2_ahead(cfg, x), **({"EVICT": evict} if evict else {}), **({"PRE": cfg.pre} if cfg.pre > 1 else {})}
 
 
 def _l2_ahead(cfg: GemvConfig, x: torch.Tensor) -> dict:
