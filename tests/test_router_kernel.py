@@ -164,12 +164,15 @@ torch.manual_seed(4)
 E, G, TG, K, H = 512, 8, 4, 8, 2560
 W = (torch.randn(E, H, device=dev) / 50).bfloat16()
 b = torch.randn(E, device=dev) * 0.01
-# the tuned config (4 k steps a split, one loaded before the PDL wait), then gpu_queue.sh preload's:
-# 8-row tiles in one 512-column step, so that a program loads all its weights before the wait
-for spec in ("0", "plain.1.512.2560.bn:8/plain.1.512.2560.bk:512/plain.1.512.2560.unroll:1"):
+# the tuned config (4 k steps a split, one loaded before the PDL wait), then gpu_queue.sh preload's, each
+# program loading all its weights before the wait: 8-row tiles in one 512-column step; the tuned tiles
+# with all four steps loaded first (GemvConfig.pre)
+specs = {"0": (128, 1), "plain.1.512.2560.bn:8/plain.1.512.2560.bk:512/plain.1.512.2560.unroll:1": (512, 1),
+         "plain.1.512.2560.pre:4": (128, 4)}
+for spec, (bk, pre) in specs.items():
     os.environ["SPARKCHAT_GEMV_CONFIG"] = spec
     cfg = _logits_config(torch.device(dev), 1, E, H)
-    assert (cfg.bk, cfg.split) == ((128, 5) if spec == "0" else (512, 5)), cfg
+    assert (cfg.bk, cfg.split, cfg.pre) == (bk, 5, pre), cfg
     for _ in range(3):
         x = torch.randn(1, H, device=dev).bfloat16()
         i1, w1 = ref(x, W, b, G, TG, K, 2.5, True)
@@ -182,8 +185,9 @@ print("ok")
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed (CPU-only CI)")
 def test_router_logits_with_every_weight_loaded_before_the_wait():
-    """The router logits GEMV in one k step a split (the config gpu_queue.sh's preload batch times) routes
-    as the twin does at the Ling shape, as the tuned config does."""
+    """The router logits GEMV with all of a program's weights loaded before its wait (the configs
+    gpu_queue.sh's preload batch times: one k step a split, or the tuned four held) routes as the twin
+    does at the Ling shape, as the tuned config does."""
     run_script(PRELOAD_SCRIPT)
 
 
