@@ -291,18 +291,14 @@ s38() {  # next: session 37's defaults (the router logits GEMV asking L2 ahead, 
 # registers, every program still resident) and pre 4 (103). sm_90 and sm_121 compiles, no stack. One model
 # build for both switch lists (the step and the verify each time); then the step's timeline with the pre
 # variants.
-preload() {
-    local router=plain.1.512.2560.bn:8/plain.1.512.2560.bk:512/plain.1.512.2560.unroll:1
-    local oproj=block.1.2560.4096.bk:1024/block.1.2560.4096.unroll:1/block.1.2560.4096.warps:4
-    local pre_r=plain.1.512.2560.pre:4 pre_o=block.1.2560.4096.pre:2 pre_m=block.1.6912.2560.pre:2
-    local pre_v2=block.4.2560.4096.pre:2 pre_v4=block.4.2560.4096.pre:4
+preload() {  # the specs written out: tests/test_profile_tools.py parses every one of them
     timeout 100 python3 -m pytest -q tests/test_router_kernel.py tests/test_kernels.py \
         -k "before_the_wait" 2>&1 | tail -3 | tee "$OUT/preload-tests.txt"
     timeout 380 python3 benchmarks/profile_step.py --rounds 3 \
-        --switch "SPARKCHAT_GEMV_CONFIG=$router,$oproj,$router/$oproj" \
-        --switch "SPARKCHAT_GEMV_CONFIG=$pre_r,$pre_o,$pre_r/$pre_o,$pre_r/$pre_o/$pre_m,$pre_v2,$pre_v4" \
+        --switch "SPARKCHAT_GEMV_CONFIG=plain.1.512.2560.bn:8/plain.1.512.2560.bk:512/plain.1.512.2560.unroll:1,block.1.2560.4096.bk:1024/block.1.2560.4096.unroll:1/block.1.2560.4096.warps:4,plain.1.512.2560.bn:8/plain.1.512.2560.bk:512/plain.1.512.2560.unroll:1/block.1.2560.4096.bk:1024/block.1.2560.4096.unroll:1/block.1.2560.4096.warps:4" \
+        --switch "SPARKCHAT_GEMV_CONFIG=plain.1.512.2560.pre:4,block.1.2560.4096.pre:2,plain.1.512.2560.pre:4/block.1.2560.4096.pre:2,plain.1.512.2560.pre:4/block.1.2560.4096.pre:2/block.1.6912.2560.pre:2,block.4.2560.4096.pre:2,block.4.2560.4096.pre:4" \
         2>&1 | tee "$OUT/ab-preload.txt"
-    SPARKCHAT_GEMV_CONFIG="$pre_r/$pre_o" timeout 100 python3 benchmarks/profile_step.py --timeline \
+    SPARKCHAT_GEMV_CONFIG="plain.1.512.2560.pre:4/block.1.2560.4096.pre:2" timeout 100 python3 benchmarks/profile_step.py --timeline \
         2>&1 | tee "$OUT/timeline-preload.txt"
 }
 
