@@ -570,6 +570,40 @@ def test_gemv_asking_l2_ahead_gives_the_same_bits_gpu(T, N, K, ahead):
 
 
 @gpu
+@pytest.mark.parametrize("T,N,K,pre", [(1, 2560, 4096, 2), (4, 2560, 4096, 2), (4, 2560, 4096, 4), (1, 6912, 2560, 2),
+                                       (1, 512, 2560, 4)])
+def test_gemv_steps_loaded_before_the_wait_give_the_same_bits_gpu(T, N, K, pre):
+    """GemvConfig.pre at the shapes gpu_queue.sh's preload batch times: the tuned FMA GEMV with `pre` k steps
+    held through its wait gives the bits of the tuned one (the output projections with their add and
+    sums of squares, one token and a verify; MLA's input projection; the router's plain GEMV)."""
+    from dataclasses import replace
+
+    from sparkchat.engine.kernels.fp8_gemv import (fp8_block_gemv, fp8_block_gemv_add_norm, gemv_config,
+                                                   plain_gemv_partials)
+    gen = torch.Generator().manual_seed(T + N + K + pre)
+    x = torch.randn(T, K, generator=gen).bfloat16().cuda()
+    if N == 512:
+        wp = torch.randn(512, K, generator=gen).bfloat16().cuda()
+        cfg = gemv_config("plain", T, 512, K)
+        assert torch.equal(plain_gemv_partials(x, wp, replace(cfg, pre=pre)), plain_gemv_partials(x, wp, cfg))
+        return
+    w, si = make_fp8(N, K, "cuda", gen)
+    cfg = gemv_config("block", T, N, K)
+    assert not cfg.mma
+    assert torch.equal(fp8_block_gemv(x, w, si, config=replace(cfg, pre=pre)), fp8_block_gemv(x, w, si, config=cfg))
+    if N == 2560:
+        res = torch.randn(T, N, generator=gen).bfloat16().cuda()
+        nw = (torch.rand(N, generator=gen) + 0.5).bfloat16().cuda()
+        for got, want in zip(fp8_block_gemv_add_norm(x, w, si, res, nw, 1e-6, config=replace(cfg, pre=pre)),
+                             fp8_block_gemv_add_norm(x, w, si, res, nw, 1e-6, config=cfg)):
+            assert torch.equal(got, want)
+        # as the step runs it: the sum and its sums of squares only, the norm left to its readers
+        (s1, h1), (s0, h0) = (fp8_block_gemv_add_norm(x, w, si, res, nw, 1e-6, config=c, moe_x=True, split_norm=True)
+                              for c in (replace(cfg, pre=pre), cfg))
+        assert torch.equal(s1, s0) and torch.equal(h1.split_norm.ssq, h0.split_norm.ssq)
+
+
+@gpu
 def test_f16_acts_from_add_norm_gpu():
     """At the Ling shapes on four tokens: the add+norm kernels hand the tensor-core GEMVs their input in
     fp16 form (f16_block_acts), and the GEMVs give the same bits with it as without."""
