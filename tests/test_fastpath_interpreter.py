@@ -109,6 +109,12 @@ for i, layer in enumerate(model.layers):  # as install() does with SPARKCHAT_MOE
         layer.post_attention_layernorm.split_window = 4 if together else 1  # SPARKCHAT_SPLIT_NORM_WINDOW
 from sparkchat.engine.kernels.router import route
 ops.route = route
+from sparkchat.engine.kernels.embed_norm import embed_norm
+first_norms = []
+def counted_embed_norm(*args):
+    first_norms.append(args[0].shape[0])
+    return embed_norm(*args)
+model.fast_embed_norm = counted_embed_norm  # as install() does: the embedding and first norm in one kernel
 fast = logits()
 # bf16 summation order differs between the paths; on tiny random models a router score can sit within
 # that noise of its neighbour, and one flipped expert moves that step's logits far. Every step but one
@@ -126,6 +132,7 @@ assert any(l.fast_add_norm is not None for l in model.linears())
 assert calls and max(calls) <= 8, calls
 assert prompt_rows and set(prompt_rows) == {len(prompt)}, prompt_rows  # the prompt's FP8 linears: the GEMM  # the residual add + input norm of every layer after the first
 assert all(m.experts.paired for m in model.modules() if isinstance(m, moe.MoE))
+assert sorted(set(first_norms)) == [1, 4], first_norms  # decode steps and the verify window; not the prompt
 assert any(packed_x), packed_x  # decode steps' MoE layers got their input packed by the norm before
 if together:  # one-token steps take every candidate; longer windows what applies to them
     assert any(in_stages) and any(normed) and any(split_reads) and any(split_inputs), (in_stages, normed, split_inputs)

@@ -443,3 +443,28 @@ def test_gemv_loads_its_pre_steps_before_the_pdl_wait(arch):
             if sass is not None:  # ptxas keeps them there
                 acq = next(i for i, ins in enumerate(sass) if "ACQBULK" in ins)
                 assert sum("LDG" in ins for ins in sass[:acq]) == before, (kind, T, pre)
+
+
+@pytest.mark.parametrize("arch", [90, 121])
+def test_embed_norm_kernels_load_their_norm_weights_before_the_pdl_wait(arch):
+    """A step's first launch (kernels/embed_norm.py) at Ling's hidden size compiles for the H200 and the
+    Spark with plain loads and no stack: the norm's weights are loaded before griddepcontrol.wait, the ids
+    and rows after it (a pipelined step's ids come from the kernel before)."""
+    s = _tools()
+    from sparkchat.engine.kernels import embed_norm as e
+
+    sig = {"ids_ptr": "*i64", "table_ptr": "*bf16", "nw_ptr": "*bf16", "x_ptr": "*bf16", "h_ptr": "*bf16",
+           "eps": "fp32", "h16_ptr": "*fp16", "hd_ptr": "*fp32"}
+    first = s.compile_kernel(e.embed_norm_kernel, sig, dict(N=2560, BLOCK=4096, F16=True, INTERPRET=False,
+                                                            PDL=True), 8, arch)
+    sig = {"ids_ptr": "*i64", "table_ptr": "*bf16", "hidden_ptr": "*bf16", "enorm_ptr": "*bf16",
+           "hnorm_ptr": "*bf16", "out_ptr": "*bf16", "eps": "fp32"}
+    mtp = s.compile_kernel(e.mtp_input_kernel, sig, dict(N=2560, BLOCK=4096, INTERPRET=False, PDL=True), 8, arch)
+    for kernel, name, waits in ((first, "embed_norm_kernel", 1), (mtp, "mtp_input_kernel", 2)):
+        lines = kernel.asm["ptx"].splitlines()
+        at = [i for i, line in enumerate(lines) if "griddepcontrol.wait" in line]
+        assert len(at) == waits, (name, at)  # the MTP input: one wait in each half's branch
+        assert any("ld.global" in line for line in lines[:at[0]]), name  # a norm weight before the wait
+        assert "ld.global" in "".join(lines[at[-1]:]), name
+        assert "wgmma" not in kernel.asm["ptx"] and "cp.async.bulk" not in kernel.asm["ptx"]
+        assert s.stack_frame(kernel, name) in (0, None), name

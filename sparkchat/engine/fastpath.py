@@ -284,6 +284,12 @@ def add_norm_kernel_enabled() -> bool:
     return os.environ.get("SPARKCHAT_ADD_NORM", "1") != "0"
 
 
+def embed_norm_enabled() -> bool:
+    """A step's embedding and first norm run as one PDL kernel (kernels.embed_norm) unless
+    SPARKCHAT_EMBED_NORM=0."""
+    return os.environ.get("SPARKCHAT_EMBED_NORM", "1") != "0"
+
+
 _SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
 
@@ -438,5 +444,15 @@ def install(model, *, linears: bool, experts: bool, head: bool) -> None:
     mtp = getattr(model, "mtp", None)
     if mtp is not None:
         mtp.fuse_final_norm = mtp.mlp.fast_experts is not None and mtp.mlp.fast_experts.add_norm
+    # a step's first launch: the embedding gathered and normed (the MTP draft's: both its norms) in one
+    # PDL kernel instead of torch's gather and Inductor's norm (SPARKCHAT_EMBED_NORM=0: those)
+    table = getattr(model, "embed", None)
+    first = linears and embed_norm_enabled() and table is not None and table.is_cuda and table.dtype == torch.bfloat16
+    if first:
+        from sparkchat.engine.kernels.embed_norm import embed_norm, mtp_input
+    if hasattr(model, "fast_embed_norm"):
+        model.fast_embed_norm = embed_norm if first else None
+    if mtp is not None:
+        mtp.fast_input = mtp_input if first else None
     model.lm_head.fast_fp8 = _fp8_head() if head else None
     model.lm_head.fast_fp8_argmax = _fp8_head_argmax() if head else None

@@ -59,7 +59,7 @@ def run_step(m: LingModel, state: ConversationState, kind: str, c: _Captured, bu
     T = c.ids.shape[0]
     buckets = bucket if isinstance(bucket, tuple) else (bucket,)
     with torch.inference_mode():
-        h = m.mtp(m.embed_tokens(c.ids), c.hidden_in, Span(c.pos[:T], buckets[0]), state.mtp, m.rotary)
+        h = m.mtp(c.ids, m.embed, c.hidden_in, Span(c.pos[:T], buckets[0]), state.mtp, m.rotary)
         if kind == "draft":
             return h, m.draft_logits(h[-1:])  # a catch-up over several slots drafts from its last only
         # a catch-up over every slot a verify may have accepted drafts from the one `pick` names
@@ -68,7 +68,7 @@ def run_step(m: LingModel, state: ConversationState, kind: str, c: _Captured, bu
         tokens, qs = [], []
         for j in range(chain):
             if j:
-                h = m.mtp(m.embed_tokens(tokens[-1]), h, Span(c.pos[T + j - 1:T + j], buckets[j]),
+                h = m.mtp(tokens[-1], m.embed, h, Span(c.pos[T + j - 1:T + j], buckets[j]),
                           state.mtp, m.rotary)
             if sampling is None:
                 best = m.lm_head.argmax(h, draft=True)  # as Decoder.draft picks a greedy token

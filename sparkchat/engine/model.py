@@ -6,12 +6,14 @@ Batch size is always 1: activations are [T, H] for T new tokens at positions sta
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
 from sparkchat.engine.config import ModelConfig
 from sparkchat.engine.nn.kda import KDASteps, KimiDeltaAttention
-from sparkchat.engine.nn.linear import FusedLinear, Linear, project_add_norm
+from sparkchat.engine.nn.linear import GEMV_MAX_TOKENS, FusedLinear, Linear, project_add_norm
 from sparkchat.engine.nn.mla import MLACache, MultiLatentAttention, Span
 from sparkchat.engine.nn.moe import MLP, MoE
 from sparkchat.engine.nn.norm import NormedInput, RMSNorm, SplitNormInput
@@ -99,10 +101,21 @@ class MTPLayer(nn.Module):
         self.final_layernorm = RMSNorm(H, cfg.rms_norm_eps)
         self.fuse_final_norm = False  # set by fastpath.install (SPARKCHAT_MOE_ADD_NORM)
         assert self.enorm.eps == self.hnorm.eps  # ops.mtp_input takes one eps for both
+        # GPU path for eh_proj's input, the gather and both norms in one PDL launch (fastpath.install:
+        # kernels.embed_norm.mtp_input, same arguments as input_of)
+        self.fast_input: Callable[..., torch.Tensor] | None = None
 
-    def forward(self, token_embeds: torch.Tensor, hidden: torch.Tensor, span: Span, cache: MLACache,
+    def input_of(self, ids: torch.Tensor, embed: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """eh_proj's input [enorm(embed[ids]) | hnorm(hidden)]."""
+        args = (self.enorm.weight, self.hnorm.weight, self.enorm.eps)
+        if self.fast_input is not None and ids.shape[0] <= GEMV_MAX_TOKENS:
+            return self.fast_input(ids, embed, hidden, *args)
+        return ops.mtp_input(embed[ids], hidden, *args)
+
+    def forward(self, ids: torch.Tensor, embed: torch.Tensor, hidden: torch.Tensor, span: Span, cache: MLACache,
                 rotary: RotaryEmbedding) -> torch.Tensor:
-        x = self.eh_proj(ops.mtp_input(token_embeds, hidden, self.enorm.weight, self.hnorm.weight, self.enorm.eps))
+        """ids [T]: the next tokens, embedded from `embed` (the main model's table); hidden [T, H]."""
+        x = self.eh_proj(self.input_of(ids, embed, hidden))
         o = self.attention(self.input_layernorm(x), span, cache, rotary, absorbed=x.shape[0] <= 8, project_out=False)
         # the residual adds fuse with the norms after them, as in DecoderLayer (the same roundings):
         # on the GPU path the output projection's GEMV and the final add+norm are PDL kernels
@@ -247,6 +260,9 @@ class LingModel(nn.Module):
         self.lm_head = LMHead(cfg.hidden_size, cfg.vocab_size)
         self.mtp = MTPLayer(cfg) if cfg.has_mtp else None
         self.rotary = RotaryEmbedding(cfg.qk_rope_head_dim, cfg.rope_theta, max_context, cfg.rope_scaling, device)
+        # GPU path for the embedding and the first layer's input norm in one PDL launch (fastpath.install:
+        # kernels.embed_norm.embed_norm(ids, embed, norm weight, eps) -> (x, h))
+        self.fast_embed_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def fuse_projections(self) -> None:
         """Fuse projections that read the same input (KDA q|k|v|f|g, MLA q|kv_a|g, MLP gate|up) into one
@@ -272,8 +288,13 @@ class LingModel(nn.Module):
         and, with keep_steps, each KDA layer's kept inputs (its recurrent state left for commit_kda).
         """
         span = span or Span.contiguous(start, ids.shape[0], ids.device)
-        x = self.embed_tokens(ids)
         pending = None
+        if self.fast_embed_norm is not None and ids.shape[0] <= GEMV_MAX_TOKENS:
+            norm = self.layers[0].input_layernorm  # x and its norm at once: the first layer takes both
+            x, h = self.fast_embed_norm(ids, self.embed, norm.weight, norm.eps)
+            pending = NormedInput(h, norm)
+        else:
+            x = self.embed_tokens(ids)
         kept: dict[int, KDASteps] = {}
         for layer in self.layers:
             x, pending, steps = layer(x, pending, span, state, self.rotary, keep_steps)
@@ -293,4 +314,4 @@ class LingModel(nn.Module):
         """One MTP step over T slots: slot t combines the main hidden at position start+t with the token
         at start+t+1. Returns the MTP hidden after its final_layernorm [T, H]."""
         span = span or Span.contiguous(start, next_ids.shape[0], next_ids.device)
-        return self.mtp(self.embed_tokens(next_ids), hidden, span, cache, self.rotary)
+        return self.mtp(next_ids, self.embed, hidden, span, cache, self.rotary)

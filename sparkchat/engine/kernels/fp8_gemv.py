@@ -25,7 +25,7 @@ import triton.language as tl
 from sparkchat.engine.kernels.counters import arrival_counters
 from sparkchat.engine.kernels.device import interpreting
 from sparkchat.engine.kernels.l2_prefetch import ask_l2_tile
-from sparkchat.engine.kernels.norm_rows import SCALE_BLOCK, _norm_rows, norm_rows_kernel
+from sparkchat.engine.kernels.norm_rows import SCALE_BLOCK, _norm_rows, _store_f16_acts, norm_rows_kernel
 from sparkchat.engine.kernels.overrides import field_overrides, weight_eviction
 from sparkchat.engine.kernels.packed_acts import _store_packed
 from sparkchat.engine.kernels.pdl import pdl_args, pdl_wait
@@ -494,15 +494,8 @@ def splitk_add_norm_kernel(part_ptr, res_ptr, nw_ptr, res_out_ptr, h_ptr, eps, N
     h = (w * (s * inv).to(tl.bfloat16).to(tl.float32)).to(tl.bfloat16)
     tl.store(res_out_ptr + t * N + i, s.to(tl.bfloat16), mask=m)
     tl.store(h_ptr + t * N + i, h, mask=m)
-    if F16:
-        NB: tl.constexpr = BLOCK // SCALE_BLOCK
-        hb = tl.reshape(h.to(tl.float32), [NB, SCALE_BLOCK])
-        e = tl.maximum((tl.max(tl.abs(hb), axis=1).to(tl.int32, bitcast=True) >> 23) & 0xFF, 16)
-        up = ((268 - e) << 23).to(tl.float32, bitcast=True)  # as _f16_exact: the block's amax -> [2^14, 2^15)
-        tl.store(h16_ptr + t * N + i, tl.reshape((hb * up[:, None]).to(tl.float16), [BLOCK]), mask=m)
-        b = tl.arange(0, NB)
-        tl.store(hd_ptr + t * ((N + SCALE_BLOCK - 1) // SCALE_BLOCK) + b, ((e - 14) << 23).to(tl.float32, bitcast=True),
-                 mask=b * SCALE_BLOCK < N)
+    if F16:  # as _f16_exact: each block's amax -> [2^14, 2^15)
+        _store_f16_acts(h16_ptr, hd_ptr, t, 0, h, m, N, BLOCK)
     if MOE_X:
         _store_packed(hx_ptr + t * N, i, h.to(tl.float32), m, N, INTERPRET)
 

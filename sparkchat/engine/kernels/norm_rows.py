@@ -14,13 +14,27 @@ SCALE_BLOCK: tl.constexpr = tl.constexpr(128)  # the release's FP8 weight block,
 
 
 @triton.jit
+def _store_f16_acts(h16_ptr, hd_ptr, t, c0, h, m, N: tl.constexpr, W: tl.constexpr):
+    """Columns c0..c0+W-1 of token t's norm output h (bf16 [W], m: inside the row) in the tensor-core
+    GEMVs' form (fp8_gemv.f16_block_acts): each 128-column block scaled by a power of two into fp16's
+    exact range (its amax -> [2^14, 2^15)), h16 fp16 [T, N], and the power undoing it, hd fp32 [T, N/128]."""
+    NB: tl.constexpr = W // SCALE_BLOCK
+    hb = tl.reshape(h.to(tl.float32), [NB, SCALE_BLOCK])
+    e = tl.maximum((tl.max(tl.abs(hb), axis=1).to(tl.int32, bitcast=True) >> 23) & 0xFF, 16)
+    up = ((268 - e) << 23).to(tl.float32, bitcast=True)
+    tl.store(h16_ptr + t * N + c0 + tl.arange(0, W), tl.reshape((hb * up[:, None]).to(tl.float16), [W]), mask=m)
+    b = c0 // SCALE_BLOCK + tl.arange(0, NB)
+    tl.store(hd_ptr + t * ((N + SCALE_BLOCK - 1) // SCALE_BLOCK) + b, ((e - 14) << 23).to(tl.float32, bitcast=True),
+             mask=b * SCALE_BLOCK < N)
+
+
+@triton.jit
 def _norm_rows(s_ptr, ssq_ptr, nw_ptr, h_ptr, eps, h16_ptr, hd_ptr, hx_ptr, NSQ: tl.constexpr, T: tl.constexpr,
                N: tl.constexpr, F16: tl.constexpr, MOE_X: tl.constexpr, INTERPRET: tl.constexpr):
     """h = w * bf16(s * rsqrt(sum of the NSQ partial sums of squares / N + eps)) for each token, in
     chunks of 512 columns whose loads are all issued before any is used."""
     CH: tl.constexpr = 512
     NC: tl.constexpr = (N + CH - 1) // CH
-    NB: tl.constexpr = CH // SCALE_BLOCK
     i = tl.arange(0, CH)
     QB: tl.constexpr = 512
     q = tl.arange(0, QB)
@@ -41,13 +55,7 @@ def _norm_rows(s_ptr, ssq_ptr, nw_ptr, h_ptr, eps, h16_ptr, hd_ptr, hx_ptr, NSQ:
             h = (ws[c].to(tl.float32) * (ss[c].to(tl.float32) * inv).to(tl.bfloat16).to(tl.float32)).to(tl.bfloat16)
             tl.store(h_ptr + t * N + cols, h, mask=m)
             if F16:
-                hb = tl.reshape(h.to(tl.float32), [NB, SCALE_BLOCK])
-                e = tl.maximum((tl.max(tl.abs(hb), axis=1).to(tl.int32, bitcast=True) >> 23) & 0xFF, 16)
-                up = ((268 - e) << 23).to(tl.float32, bitcast=True)  # as splitk_add_norm_kernel's
-                tl.store(h16_ptr + t * N + cols, tl.reshape((hb * up[:, None]).to(tl.float16), [CH]), mask=m)
-                b = c * NB + tl.arange(0, NB)
-                tl.store(hd_ptr + t * ((N + SCALE_BLOCK - 1) // SCALE_BLOCK) + b,
-                         ((e - 14) << 23).to(tl.float32, bitcast=True), mask=b * SCALE_BLOCK < N)
+                _store_f16_acts(h16_ptr, hd_ptr, t, c * CH, h, m, N, CH)
             if MOE_X:
                 _store_packed(hx_ptr + t * N, cols, h.to(tl.float32), m, N, INTERPRET)
 
