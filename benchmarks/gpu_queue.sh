@@ -2,7 +2,7 @@
 # The GPU runs waiting for a development GPU, as named batches, so a lent machine starts on them at once.
 #
 #   bash benchmarks/gpu_queue.sh wheels        # here (with package registries): the wheels the GPU box lacks
-#   bash benchmarks/gpu_queue.sh quick|qbench|gemvs|verify|pipeline|sampled|handoff|decode|tails|verify4|race|first|ab|tests|configs|l2|l2check|l2pace|s38|s39|preload|evict2|bench|load   # on the GPU box, logs under $OUT (default ./gpu-out)
+#   bash benchmarks/gpu_queue.sh quick|qbench|gemvs|verify|pipeline|sampled|handoff|decode|tails|verify4|race|first|ab|tests|configs|l2|l2check|l2pace|s38|s39|s39b|preload|evict2|bench|load   # on the GPU box, logs under $OUT (default ./gpu-out)
 #
 # The GPU box has torch, triton and transformers, but not this project's other dependencies, nor the
 # transformers the tiny test models need (5.24), and it cannot fetch: `wheels` downloads them into .whl2/
@@ -304,15 +304,28 @@ preload() {  # the specs written out: tests/test_profile_tools.py parses every o
 
 # One short loan's most telling minutes (session 39, after three sessions whose tries for a machine spent
 # most of their device time): session 37's defaults against the old ones in one process, the preload
-# batch's pre variants on the tuned tiles (logits must match to 0.0% of scale), then the bench table.
+# batch's pre variants on the tuned tiles (logits must match to 0.0% of scale), the step's embedding and
+# first norm in one PDL kernel against torch's gather and Inductor's norm, then the bench table.
 s39() {
-    timeout 60 python3 -m pytest -q tests/test_kernels.py -k "before_the_wait" 2>&1 | tail -3 \
-        | tee "$OUT/preload-tests.txt"
-    timeout 370 python3 benchmarks/profile_step.py --rounds 3 --switch \
+    timeout 50 python3 -m pytest -q tests/test_embed_norm.py tests/test_kernels.py -k "before_the_wait or embed_norm" \
+        2>&1 | tail -3 | tee "$OUT/s39-tests.txt"
+    timeout 400 python3 benchmarks/profile_step.py --rounds 3 --switch \
         "SPARKCHAT_GEMV_CONFIG=0+SPARKCHAT_L2_PREFETCH_PACE=650|SPARKCHAT_GEMV_CONFIG=plain.1.512.2560.l2_ahead:0+SPARKCHAT_L2_PREFETCH_PACE=800" \
         --switch "SPARKCHAT_GEMV_CONFIG=plain.1.512.2560.pre:4,block.1.2560.4096.pre:2,plain.1.512.2560.pre:4/block.1.2560.4096.pre:2,block.4.2560.4096.pre:2" \
-        2>&1 | tee "$OUT/ab-s39.txt"
-    timeout 150 python3 -m sparkchat bench --context 1024 --iters 20 2>&1 | tee "$OUT/bench.txt"
+        --switch SPARKCHAT_EMBED_NORM=1 2>&1 | tee "$OUT/ab-s39.txt"
+    timeout 140 python3 -m sparkchat bench --context 1024 --iters 20 2>&1 | tee "$OUT/bench.txt"
+}
+
+# The MTP loop with the draft's input (the gather and both norms) in one PDL kernel against without, and
+# the timelines of the step and the verify that show the first launch (session 39, built on the CPU).
+s39b() {
+    timeout 200 python3 benchmarks/profile_step.py --loop-switch SPARKCHAT_EMBED_NORM=1 2>&1 \
+        | tee "$OUT/loop-embed-norm.txt"
+    timeout 120 python3 benchmarks/profile_step.py --timeline 2>&1 | tee "$OUT/timeline.txt"
+    timeout 120 python3 benchmarks/profile_step.py --timeline --tokens 4 2>&1 | tee "$OUT/timeline-verify.txt"
+    tiny_models || return 1
+    timeout 150 python3 -m pytest -q -x tests/test_gpu_engine.py -k "fast_path_matches or lossless" 2>&1 | tail -3 \
+        | tee "$OUT/engine.txt"
 }
 
 bench() {
@@ -329,6 +342,6 @@ load() {  # the checkpoint reader to the GPU: mmap vs plain reads, and the page 
 
 case "${1:-}" in
     wheels) wheels ;;
-    quick|qbench|gemvs|verify|pipeline|sampled|handoff|decode|tails|verify4|race|first|ab|tests|configs|l2|l2check|l2pace|s38|s39|preload|evict2|bench|load) install_wheels; "$1" ;;
-    *) echo "usage: $0 wheels|quick|qbench|gemvs|verify|pipeline|sampled|handoff|decode|tails|verify4|race|first|ab|tests|configs|l2|l2check|l2pace|s38|s39|preload|evict2|bench|load" >&2; exit 2 ;;
+    quick|qbench|gemvs|verify|pipeline|sampled|handoff|decode|tails|verify4|race|first|ab|tests|configs|l2|l2check|l2pace|s38|s39|s39b|preload|evict2|bench|load) install_wheels; "$1" ;;
+    *) echo "usage: $0 wheels|quick|qbench|gemvs|verify|pipeline|sampled|handoff|decode|tails|verify4|race|first|ab|tests|configs|l2|l2check|l2pace|s38|s39|s39b|preload|evict2|bench|load" >&2; exit 2 ;;
 esac
