@@ -1,6 +1,8 @@
-"""The embedding gather + first norm kernel and the MTP input kernel (kernels/embed_norm.py) against
-their twins, the model's own gather and norms: under Triton's CPU interpreter, and on a GPU where there
-is one; then a tiny model's hidden states and MTP drafts with both installed, against without."""
+"""A step's first launches against their twins, the model's own gather, norms and projection: the
+embedding gather + first norm kernel and the MTP input kernel (kernels/embed_norm.py), and the MTP
+layer's eh_proj with its input norm in the add+norm launches with no residual (fp8_gemv); under Triton's
+CPU interpreter, and on a GPU where there is one; then a tiny FP8 model's hidden states and MTP drafts
+with all three installed, against without."""
 
 from __future__ import annotations
 
@@ -58,10 +60,37 @@ def check(device, shapes):
         assert close(got[:, N:], nn_ops.rms_norm(hidden, hw, 1e-6))  # the halves in their places
         swapped = mtp_input(ids, table, hidden, hw, nw, 1e-6)
         assert not close(swapped, want)  # each half its own norm's weight
+
+
+def check_projection_norm(device, shapes, strict):
+    # the MTP layer's eh_proj and its input norm: the output projection's add+norm launches, no residual
+    # (strict: the GPU's rounding; the add+norm kernels' casts truncate under the interpreter)
+    from sparkchat.engine.kernels.fp8_gemv import fp8_block_gemv, fp8_block_gemv_add_norm, gemv_config
+    from dataclasses import replace
+    gen = torch.Generator().manual_seed(11)
+    for T, N, K in shapes:
+        w = (torch.randn(N, K, generator=gen) * 0.5).to(torch.float8_e4m3fn).to(device)
+        si = (torch.rand((N + 127) // 128, (K + 127) // 128, generator=gen) * 0.02 + 0.01).to(device)
+        x = torch.randn(T, K, generator=gen).bfloat16().to(device)
+        nw = (torch.rand(N, generator=gen) + 0.5).bfloat16().to(device)
+        base = gemv_config("block", T, N, K)
+        for cfg in (base, replace(base, split=1), replace(base, split=2)):
+            y = fp8_block_gemv(x, w, si, config=cfg)
+            s, h = fp8_block_gemv_add_norm(x, w, si, None, nw, 1e-6, config=cfg)
+            assert torch.equal(s, y), (T, N, K, cfg)  # the projection as the GEMV alone writes it
+            want = nn_ops.rms_norm(y, nw, 1e-6)
+            assert (close(h, want) if strict else rel_err(h, want) < 1e-2), (T, N, K, cfg, rel_err(h, want))
+            assert not torch.equal(h, fp8_block_gemv_add_norm(x, w, si, None, nw * 1.5, 1e-6, config=cfg)[1])
+            res = torch.randn(T, N, generator=gen).bfloat16().to(device)  # with one: as before
+            s2, h2 = fp8_block_gemv_add_norm(x, w, si, res, nw, 1e-6, config=cfg)
+            added = (res.float() + y.float()).bfloat16()
+            assert (torch.equal(s2, added) if strict else rel_err(s2, added) < 1e-2), (T, N, K, cfg)
+            assert not torch.equal(s2, s)
 """
 
 INTERPRETED = CHECKS + r"""
 check("cpu", [(50, 2560, 1), (50, 2560, 4), (17, 200, 3), (9, 128, 2)])
+check_projection_norm("cpu", [(1, 256, 512), (3, 256, 512), (1, 384, 640)], False)
 
 # a tiny model: the hidden states of a prompt, a decode step and a verify window, and its MTP drafts,
 # with the two kernels installed against the gather and norms they replace
@@ -72,9 +101,21 @@ from sparkchat.engine.nn.mla import Span
 from sparkchat.engine.state import ConversationState
 from tests.conftest import make_model_dir
 
-path = make_model_dir(pathlib.Path(tempfile.mkdtemp(dir=sys.argv[1])) / "tiny", seed=0)
+import json
+from safetensors.torch import load_file
+from sparkchat.engine.kernels.fp8_gemv import fp8_block_gemv_add_norm
+from sparkchat.engine.release import save_release_checkpoint
+
+root = pathlib.Path(tempfile.mkdtemp(dir=sys.argv[1]))
+plain = make_model_dir(root / "tiny", seed=0)
+tensors = {}
+for f in sorted(plain.glob("*.safetensors")):
+    tensors.update(load_file(str(f)))
+path = root / "fp4"  # FP8 linears (the MTP layer's eh_proj among them) and MXFP4 experts
+save_release_checkpoint(path, tensors, json.loads((plain / "config.json").read_text()))
 cfg = ModelConfig.from_dir(path)
-model = load_model(path, cfg, "cpu", torch.bfloat16, 64)
+model = load_model(path, cfg, "cpu", torch.bfloat16, 64, quantize_experts=True)
+assert model.mtp.eh_proj.is_fp8
 calls = []
 def counted(fn):
     def run(*args):
@@ -94,11 +135,21 @@ def run_all():
 
 ref = run_all()
 model.fast_embed_norm, model.mtp.fast_input = counted(embed_norm), counted(mtp_input)
+model.mtp.eh_proj.fast_add_norm = counted(fp8_block_gemv_add_norm)
 fast = run_all()
-for r, f in zip(ref, fast):
-    assert r.shape == f.shape and rel_err(f, r) < 2e-2, rel_err(f, r)
+# the gather and the norms are the model's bit for bit here; eh_proj's add+norm rounds the norm's output
+# by truncating under the interpreter (its casts), which moves the draft's MoE routing: a draft row may
+# flip an expert at a near tie (one in the window moved 7% when last checked, the others under 1%)
+for n, (r, f) in enumerate(zip(ref, fast)):
+    assert r.shape == f.shape
+    rows = torch.tensor([rel_err(f[i], r[i]) for i in range(r.shape[0])])
+    if n % 2 == 0:  # the main model's hidden states
+        assert rows.max() < 2e-2, (n, rows)
+    else:  # its MTP drafts
+        assert rows.median() < 1e-2 and rows.max() < 0.15, (n, rows)
 # the prompt (12 tokens) takes the gather and norms; the decode step and the verify window the kernels
-assert sorted(set(calls)) == [("embed_norm", 1), ("embed_norm", 4), ("mtp_input", 1), ("mtp_input", 4)], calls
+assert sorted(set(calls)) == [("embed_norm", 1), ("embed_norm", 4), ("fp8_block_gemv_add_norm", 1),
+                              ("fp8_block_gemv_add_norm", 4), ("mtp_input", 1), ("mtp_input", 4)], calls
 print("interpreter ok")
 """
 
@@ -115,3 +166,4 @@ def test_embed_norm_and_mtp_input_gpu():
     scope: dict = {}
     exec(CHECKS, scope)
     scope["check"]("cuda", [(157184, 2560, 1), (157184, 2560, 4), (1000, 200, 3)])
+    scope["check_projection_norm"]("cuda", [(1, 2560, 5120), (4, 2560, 5120)], True)  # Ling's eh_proj

@@ -454,5 +454,9 @@ def install(model, *, linears: bool, experts: bool, head: bool) -> None:
         model.fast_embed_norm = embed_norm if first else None
     if mtp is not None:
         mtp.fast_input = mtp_input if first else None
+        # eh_proj and the norm after it in the output projections' add+norm launches, with no residual
+        # (SPARKCHAT_EMBED_NORM=0: the GEMV, then Inductor's norm outside the PDL chain)
+        eh = mtp.eh_proj
+        eh.fast_add_norm = add_norm if first and add_norm is not None and eh.is_fp8 and eh.weight.is_cuda else None
     model.lm_head.fast_fp8 = _fp8_head() if head else None
     model.lm_head.fast_fp8_argmax = _fp8_head_argmax() if head else None

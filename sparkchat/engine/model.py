@@ -13,7 +13,7 @@ from torch import nn
 
 from sparkchat.engine.config import ModelConfig
 from sparkchat.engine.nn.kda import KDASteps, KimiDeltaAttention
-from sparkchat.engine.nn.linear import GEMV_MAX_TOKENS, FusedLinear, Linear, project_add_norm
+from sparkchat.engine.nn.linear import GEMV_MAX_TOKENS, FusedLinear, Linear, project_add_norm, project_norm
 from sparkchat.engine.nn.mla import MLACache, MultiLatentAttention, Span
 from sparkchat.engine.nn.moe import MLP, MoE
 from sparkchat.engine.nn.norm import NormedInput, RMSNorm, SplitNormInput
@@ -115,8 +115,9 @@ class MTPLayer(nn.Module):
     def forward(self, ids: torch.Tensor, embed: torch.Tensor, hidden: torch.Tensor, span: Span, cache: MLACache,
                 rotary: RotaryEmbedding) -> torch.Tensor:
         """ids [T]: the next tokens, embedded from `embed` (the main model's table); hidden [T, H]."""
-        x = self.eh_proj(self.input_of(ids, embed, hidden))
-        o = self.attention(self.input_layernorm(x), span, cache, rotary, absorbed=x.shape[0] <= 8, project_out=False)
+        norm = self.input_layernorm
+        x, h = project_norm(self.eh_proj, self.input_of(ids, embed, hidden), norm.weight, norm.eps)
+        o = self.attention(h, span, cache, rotary, absorbed=x.shape[0] <= 8, project_out=False)
         # the residual adds fuse with the norms after them, as in DecoderLayer (the same roundings):
         # on the GPU path the output projection's GEMV and the final add+norm are PDL kernels
         post = self.post_attention_layernorm

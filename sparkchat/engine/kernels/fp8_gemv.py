@@ -167,6 +167,7 @@ def fp8_gemv_kernel(
     KACC: tl.constexpr = 0,  # > 0: [BN, KACC] accumulators (_gemv_step)
     ADD_NORM: tl.constexpr = False,  # OUT 3: then the residual add and RMSNorm (_add_norm_tail)
     NORM_LAST: tl.constexpr = True,  # ADD_NORM: also the norm itself (else s and the sums of squares only)
+    HAS_RES: tl.constexpr = True,  # ADD_NORM: a residual to add (False: the projection itself is normed)
     cnt_ptr=None, res_ptr=None, nw_ptr=None, s_out_ptr=None, h_ptr=None, ssq_ptr=None, eps=0.0,
     h16_ptr=None, hd_ptr=None, F16: tl.constexpr = False, hx_ptr=None, MOE_X: tl.constexpr = False,
     INTERPRET: tl.constexpr = False,
@@ -278,7 +279,7 @@ def fp8_gemv_kernel(
             elif ADD_NORM and SPLIT == 1:
                 # the whole sum is this program's: the add and the sum of squares from registers, with no
                 # partials written, no arrival counter, no reload (_add_norm_tail's roundings)
-                _add_rows(y, res_ptr, s_out_ptr, ssq_ptr, t, rows, pid * RS + r, N, NBLK * RS)
+                _add_rows(y, res_ptr, s_out_ptr, ssq_ptr, t, rows, pid * RS + r, N, NBLK * RS, HAS_RES)
             else:
                 tl.store(y_ptr + (tl.program_id(1) * T + t) * N + rows, y, mask=rows < N)
         if OUT == 2:
@@ -290,7 +291,7 @@ def fp8_gemv_kernel(
                            NBLK * RS, T, N, F16, MOE_X, INTERPRET)
     elif ADD_NORM:
         _add_norm_tail(y_ptr, cnt_ptr, res_ptr, nw_ptr, s_out_ptr, h_ptr, ssq_ptr, eps, h16_ptr, hd_ptr, hx_ptr,
-                       pid, r0, sub, T, N, BN, RS, SPLIT, F16, MOE_X, INTERPRET, NORM_LAST)
+                       pid, r0, sub, T, N, BN, RS, SPLIT, F16, MOE_X, INTERPRET, NORM_LAST, HAS_RES)
 
 
 @triton.jit
@@ -409,11 +410,16 @@ def splitk_reduce_kernel(part_ptr, s_ptr, y_ptr, TN: tl.constexpr, N: tl.constex
 
 
 @triton.jit
-def _add_rows(y, res_ptr, s_out_ptr, ssq_ptr, t, rows, tile, N: tl.constexpr, NSQ: tl.constexpr):
-    """Token t's rows of the projection y (fp32): s = bf16(residual + bf16(y)) and the tile's sum of squares."""
+def _add_rows(y, res_ptr, s_out_ptr, ssq_ptr, t, rows, tile, N: tl.constexpr, NSQ: tl.constexpr,
+              HAS_RES: tl.constexpr = True):
+    """Token t's rows of the projection y (fp32): s = bf16(residual + bf16(y)) (HAS_RES False: bf16(y),
+    a projection normed with no residual before it) and the tile's sum of squares."""
     m = rows < N
-    res = tl.load(res_ptr + t * N + rows, mask=m, other=0.0).to(tl.float32)
-    sv = (res + y.to(tl.bfloat16).to(tl.float32)).to(tl.bfloat16)
+    if HAS_RES:
+        res = tl.load(res_ptr + t * N + rows, mask=m, other=0.0).to(tl.float32)
+        sv = (res + y.to(tl.bfloat16).to(tl.float32)).to(tl.bfloat16)
+    else:
+        sv = y.to(tl.bfloat16)
     tl.store(s_out_ptr + t * N + rows, sv, mask=m)
     sf = tl.where(m, sv.to(tl.float32), 0.0)
     tl.store(ssq_ptr + t * NSQ + tile, tl.sum(sf * sf, axis=0))
@@ -423,7 +429,7 @@ def _add_rows(y, res_ptr, s_out_ptr, ssq_ptr, t, rows, tile, N: tl.constexpr, NS
 def _add_norm_tail(part_ptr, cnt_ptr, res_ptr, nw_ptr, s_out_ptr, h_ptr, ssq_ptr, eps, h16_ptr, hd_ptr, hx_ptr,
                    pid, r0, sub, T: tl.constexpr, N: tl.constexpr, BN: tl.constexpr, RS: tl.constexpr,
                    SPLIT: tl.constexpr, F16: tl.constexpr, MOE_X: tl.constexpr, INTERPRET: tl.constexpr,
-                   NORM_LAST: tl.constexpr = True):
+                   NORM_LAST: tl.constexpr = True, HAS_RES: tl.constexpr = True):
     """splitk_add_norm_kernel's work, done by the GEMV's own programs so that the output projection and
     the add+norm after it are one launch (SPLIT > 1: with one split the kernel adds from its registers,
     _add_rows). The last split of each row block to finish (arrival counter pid) sums its rows' partials
@@ -444,7 +450,7 @@ def _add_norm_tail(part_ptr, cnt_ptr, res_ptr, nw_ptr, s_out_ptr, h_ptr, ssq_ptr
                 rows = r0 + r * BN + sub
                 m = rows < N
                 _add_rows(_split_sum(part_ptr, t, rows, m, T, N, SPLIT), res_ptr, s_out_ptr, ssq_ptr, t, rows,
-                          pid * RS + r, N, NSQ)
+                          pid * RS + r, N, NSQ, HAS_RES)
         tl.store(cnt_ptr + pid, 0)
         if NORM_LAST:
             _add_norm_last(s_out_ptr, cnt_ptr, nw_ptr, h_ptr, ssq_ptr, eps, h16_ptr, hd_ptr, hx_ptr, NP, NSQ, T, N,
@@ -469,11 +475,11 @@ def splitk_add_norm_kernel(part_ptr, res_ptr, nw_ptr, res_out_ptr, h_ptr, eps, N
                            T: tl.constexpr, SPLIT: tl.constexpr, BLOCK: tl.constexpr,
                            PDL: tl.constexpr = False, h16_ptr=None, hd_ptr=None, F16: tl.constexpr = False,
                            hx_ptr=None, MOE_X: tl.constexpr = False, INTERPRET: tl.constexpr = False,
-                           add_ptr=None, HAS_ADD: tl.constexpr = False):
+                           add_ptr=None, HAS_ADD: tl.constexpr = False, HAS_RES: tl.constexpr = True):
     """One program per token: y = the SPLIT partials summed in order, rounded to bf16 (the projection's
     output; HAS_ADD: plus add_ptr's bf16 [T, N], rounded again, as torch adds two bf16 tensors — a MoE
     layer's shared expert), then the residual add and RMSNorm that follow it, rounded as ops.add_rms_norm rounds:
-    s = bf16(residual + y); h = w * bf16(s * rsqrt(mean(s²) + eps)). Writes s and h. With SPLIT = 1
+    s = bf16(residual + y) (HAS_RES False: s = y); h = w * bf16(s * rsqrt(mean(s²) + eps)). Writes s and h. With SPLIT = 1
     the one partial may be bf16 (add_rms_norm). F16: also h as f16_block_acts gives it (h16 fp16 [T, N],
     hd fp32 [T, ceil(N/128)]), which the tensor-core GEMVs reading h then take as is. MOE_X: also h as
     the packed MoE stage 1 multiplies it (hx bf16 [T, N], mxfp4_moe.pack_moe_x's layout)."""
@@ -487,8 +493,9 @@ def splitk_add_norm_kernel(part_ptr, res_ptr, nw_ptr, res_out_ptr, h_ptr, eps, N
     y = y.to(tl.bfloat16).to(tl.float32)
     if HAS_ADD:
         y = (y + tl.load(add_ptr + t * N + i, mask=m, other=0.0).to(tl.float32)).to(tl.bfloat16).to(tl.float32)
-    r = tl.load(res_ptr + t * N + i, mask=m, other=0.0).to(tl.float32)
-    s = (r + y).to(tl.bfloat16).to(tl.float32)
+    if HAS_RES:  # else the projection itself is normed (y is already bf16)
+        y = (tl.load(res_ptr + t * N + i, mask=m, other=0.0).to(tl.float32) + y).to(tl.bfloat16).to(tl.float32)
+    s = y
     inv = tl.rsqrt(tl.sum(s * s, axis=0) / N + eps)
     w = tl.load(nw_ptr + i, mask=m, other=0.0).to(tl.float32)
     h = (w * (s * inv).to(tl.bfloat16).to(tl.float32)).to(tl.bfloat16)
@@ -794,7 +801,7 @@ def fp8_block_gemv(
 
 
 def fp8_block_gemv_add_norm(
-    x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor, residual: torch.Tensor, norm_w: torch.Tensor,
+    x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor, residual: torch.Tensor | None, norm_w: torch.Tensor,
     eps: float, *, config: GemvConfig | None = None, moe_x: bool = False, split_norm: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A layer's output projection and what follows it: s = residual + x @ w.T (bf16), then RMSNorm(s)
@@ -803,23 +810,30 @@ def fp8_block_gemv_add_norm(
     _add_norm_tail), else in two, the add and the norm done by the split-K reduce.
     moe_x (a MoE layer follows): the norm also comes as pack_moe_x(norm(s)), attached as `.moe_x`.
     split_norm (the FMA kernel): the launch writes s and its sums of squares only; norm(s) is returned
-    unwritten, its SplitNorm attached as `.split_norm` for the GEMV that reads it first."""
+    unwritten, its SplitNorm attached as `.split_norm` for the GEMV that reads it first.
+    residual None: a projection normed with nothing added before (the MTP layer's eh_proj and its input
+    norm): s = x @ w.T, as fp8_block_gemv writes it."""
     T, N, K = _check_x_w(x, w)
     assert scale_inv.dtype == torch.float32 and scale_inv.is_contiguous()
-    assert residual.shape == (T, N) and residual.dtype == torch.bfloat16 and residual.is_contiguous()
+    if residual is not None:
+        assert residual.shape == (T, N) and residual.dtype == torch.bfloat16 and residual.is_contiguous()
     assert norm_w.shape == (N,) and norm_w.dtype == torch.bfloat16 and norm_w.is_contiguous()
     cfg = config or gemv_config("block", T, N, K)
     bk = min(cfg.bk, _pow2(K))
     split = _split_for(K, bk, cfg.split)
     part = torch.empty(split, T, N, dtype=torch.float32, device=x.device)
-    s_out = torch.empty_like(residual)
-    h = torch.empty_like(residual)
+    s_out = torch.empty(T, N, dtype=torch.bfloat16, device=x.device)
+    h = torch.empty_like(s_out)
+    if residual is None:
+        residual, extra = s_out, {"HAS_RES": False}  # a pointer the kernels never read
+    else:
+        extra = {}
     if split_norm and not cfg.mma:  # s and the sums of squares; the norm's reader finishes it
         blocks = triton.cdiv(N, cfg.bn * cfg.rs)
         ssq = torch.empty(T, blocks * cfg.rs, dtype=torch.float32, device=x.device)
         _gemv(x, w, scale_inv, part, part, part, 0, 3, cfg, bk, split, ADD_NORM=True, NORM_LAST=False,
               cnt_ptr=arrival_counters("gemv_add_norm", x.device, blocks + 1), res_ptr=residual, s_out_ptr=s_out,
-              ssq_ptr=ssq)
+              ssq_ptr=ssq, **extra)
         h.split_norm = SplitNorm(s_out, ssq, norm_w, eps, planes=torch.empty_like(h) if moe_x else None)
         if moe_x:
             h.moe_x = h.split_norm.planes
@@ -829,12 +843,13 @@ def fp8_block_gemv_add_norm(
         ssq = torch.empty(T, blocks * cfg.rs, dtype=torch.float32, device=x.device)
         _gemv(x, w, scale_inv, part, part, part, 0, 3, cfg, bk, split, ADD_NORM=True,
               cnt_ptr=arrival_counters("gemv_add_norm", x.device, blocks + 1), res_ptr=residual, nw_ptr=norm_w,
-              s_out_ptr=s_out, h_ptr=h, ssq_ptr=ssq, eps=float(eps), **_f16_outputs(h), **_moe_x_output(h, moe_x))
+              s_out_ptr=s_out, h_ptr=h, ssq_ptr=ssq, eps=float(eps), **_f16_outputs(h), **_moe_x_output(h, moe_x),
+              **extra)
         return s_out, h
     _gemv(x, w, scale_inv, part, part, part, 0, 3, cfg, bk, split)
     splitk_add_norm_kernel[(T,)](part, residual, norm_w, s_out, h, float(eps), N=N, T=T, SPLIT=split,
                                  BLOCK=_pow2(N), num_warps=8, **_f16_outputs(h), **_moe_x_output(h, moe_x),
-                                 **pdl_args(x.device))
+                                 **extra, **pdl_args(x.device))
     return s_out, h
 
 

@@ -122,6 +122,17 @@ def project(fused: FusedLinear | None, parts: list[Linear], x: torch.Tensor) -> 
     return fused.split(fused(x))
 
 
+def project_norm(lin: Linear, x: torch.Tensor, norm_w: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(lin(x), RMSNorm of it): a projection and the norm right after it (the MTP layer's eh_proj and its
+    input norm), in the output projection's add+norm launches with no residual on the GPU path
+    (`fast_add_norm`), else lin and ops.rms_norm."""
+    if (lin.fast_add_norm is not None and lin.is_fp8 and x.shape[0] <= GEMV_MAX_TOKENS
+            and norm_w.dtype == x.dtype == torch.bfloat16):
+        return lin.fast_add_norm(x.contiguous(), lin.weight, lin.weight_scale_inv, None, norm_w, eps)
+    y = lin(x)
+    return y, ops.rms_norm(y, norm_w, eps)
+
+
 def project_add_norm(lin: Linear, o: torch.Tensor, residual: torch.Tensor, norm_w: torch.Tensor,
                      eps: float, split: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(residual + lin(o), RMSNorm of that sum): a layer's output projection and the add and norm after
