@@ -316,13 +316,15 @@ s39() {
     timeout 140 python3 -m sparkchat bench --context 1024 --iters 20 2>&1 | tee "$OUT/bench.txt"
 }
 
-# The MTP loop with the draft's input (the gather and both norms) in one PDL kernel against without, and
-# the timelines of the step and the verify that show the first launch (session 39, built on the CPU).
+# The MTP loop with the draft's input (the gather and both norms) in one PDL kernel and eh_proj with its norm
+# in the add+norm launches, against without; the timelines of the step, the verify and a 3-draft chain that
+# show the first launches (session 39, built on the CPU); the GPU engine tests.
 s39b() {
     timeout 200 python3 benchmarks/profile_step.py --loop-switch SPARKCHAT_EMBED_NORM=1 2>&1 \
         | tee "$OUT/loop-embed-norm.txt"
     timeout 120 python3 benchmarks/profile_step.py --timeline 2>&1 | tee "$OUT/timeline.txt"
     timeout 120 python3 benchmarks/profile_step.py --timeline --tokens 4 2>&1 | tee "$OUT/timeline-verify.txt"
+    timeout 100 python3 benchmarks/profile_step.py --draft 2>&1 | tee "$OUT/timeline-draft.txt"
     tiny_models || return 1
     timeout 150 python3 -m pytest -q -x tests/test_gpu_engine.py -k "fast_path_matches or lossless" 2>&1 | tail -3 \
         | tee "$OUT/engine.txt"
