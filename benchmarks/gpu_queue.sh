@@ -307,7 +307,7 @@ preload() {  # the specs written out: tests/test_profile_tools.py parses every o
 # batch's pre variants on the tuned tiles (logits must match to 0.0% of scale), the step's embedding and
 # first norm in one PDL kernel against torch's gather and Inductor's norm, then the bench table.
 s39() {
-    timeout 50 python3 -m pytest -q tests/test_embed_norm.py tests/test_kernels.py -k "before_the_wait or embed_norm" \
+    timeout 50 python3 -m pytest -q tests/test_embed_norm.py tests/test_kernels.py -k "gpu and (before_the_wait or embed_norm)" \
         2>&1 | tail -3 | tee "$OUT/s39-tests.txt"
     timeout 400 python3 benchmarks/profile_step.py --rounds 3 --switch \
         "SPARKCHAT_GEMV_CONFIG=0+SPARKCHAT_L2_PREFETCH_PACE=650|SPARKCHAT_GEMV_CONFIG=plain.1.512.2560.l2_ahead:0+SPARKCHAT_L2_PREFETCH_PACE=800" \

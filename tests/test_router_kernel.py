@@ -125,14 +125,20 @@ def test_router_kernel_lane_best_ties():
     run_script(LANE_TIES_SCRIPT)
 
 
-PREFETCH_SCRIPT = """
+def _ling_router(seed: int) -> str:
+    """A script's opening: the Ling router's shapes, its weights and expert bias drawn from `seed`."""
+    return f"""
 import torch
-from sparkchat.engine.kernels.router import route
 dev = "cuda" if torch.cuda.is_available() else "cpu"
-torch.manual_seed(3)
+torch.manual_seed({seed})
 E, G, TG, K, H = 512, 8, 4, 8, 2560
 W = (torch.randn(E, H, device=dev) / 50).bfloat16()
 b = torch.randn(E, device=dev) * 0.01
+"""
+
+
+PREFETCH_SCRIPT = _ling_router(3) + """
+from sparkchat.engine.kernels.router import route
 ahead = torch.randint(0, 256, (5_000_061,), device=dev, dtype=torch.uint8)  # not a whole number of lines
 kept = ahead.clone()
 for _ in range(3):
@@ -154,16 +160,10 @@ def test_router_kernel_with_l2_prefetch_routes_the_same():
     run_script(PREFETCH_SCRIPT)
 
 
-PRELOAD_SCRIPT = """
+PRELOAD_SCRIPT = _ling_router(4) + """
 import os
-import torch
 from sparkchat.engine.nn.moe import route as ref
 from sparkchat.engine.kernels.router import _logits_config, route
-dev = "cuda" if torch.cuda.is_available() else "cpu"
-torch.manual_seed(4)
-E, G, TG, K, H = 512, 8, 4, 8, 2560
-W = (torch.randn(E, H, device=dev) / 50).bfloat16()
-b = torch.randn(E, device=dev) * 0.01
 # the tuned config (4 k steps a split, one loaded before the PDL wait), then gpu_queue.sh preload's, each
 # program loading all its weights before the wait: 8-row tiles in one 512-column step; the tuned tiles
 # with all four steps loaded first (GemvConfig.pre)

@@ -25,7 +25,7 @@ import triton.language as tl
 from sparkchat.engine.kernels.counters import arrival_counters
 from sparkchat.engine.kernels.device import interpreting
 from sparkchat.engine.kernels.l2_prefetch import ask_l2_tile
-from sparkchat.engine.kernels.norm_rows import SCALE_BLOCK, _norm_rows, _store_f16_acts, norm_rows_kernel
+from sparkchat.engine.kernels.norm_rows import SCALE_BLOCK, _normed_row, _norm_rows, _store_f16_acts, norm_rows_kernel
 from sparkchat.engine.kernels.overrides import field_overrides, weight_eviction
 from sparkchat.engine.kernels.packed_acts import _store_packed
 from sparkchat.engine.kernels.pdl import pdl_args, pdl_wait
@@ -496,9 +496,9 @@ def splitk_add_norm_kernel(part_ptr, res_ptr, nw_ptr, res_out_ptr, h_ptr, eps, N
     if HAS_RES:  # else the projection itself is normed (y is already bf16)
         y = (tl.load(res_ptr + t * N + i, mask=m, other=0.0).to(tl.float32) + y).to(tl.bfloat16).to(tl.float32)
     s = y
-    inv = tl.rsqrt(tl.sum(s * s, axis=0) / N + eps)
-    w = tl.load(nw_ptr + i, mask=m, other=0.0).to(tl.float32)
-    h = (w * (s * inv).to(tl.bfloat16).to(tl.float32)).to(tl.bfloat16)
+    # the interpreter's truncating casts kept (INTERPRET False), as _norm_rows and _add_rows have them: the
+    # add+norm paths stay bit-identical to each other there
+    h = _normed_row(s, tl.load(nw_ptr + i, mask=m, other=0.0), eps, N, False)
     tl.store(res_out_ptr + t * N + i, s.to(tl.bfloat16), mask=m)
     tl.store(h_ptr + t * N + i, h, mask=m)
     if F16:  # as _f16_exact: each block's amax -> [2^14, 2^15)

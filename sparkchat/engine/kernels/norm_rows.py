@@ -7,7 +7,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from sparkchat.engine.kernels.packed_acts import _store_packed
+from sparkchat.engine.kernels.packed_acts import _bf16_round, _store_packed
 from sparkchat.engine.kernels.pdl import pdl_wait
 
 SCALE_BLOCK: tl.constexpr = tl.constexpr(128)  # the release's FP8 weight block, both ways
@@ -26,6 +26,22 @@ def _store_f16_acts(h16_ptr, hd_ptr, t, c0, h, m, N: tl.constexpr, W: tl.constex
     b = c0 // SCALE_BLOCK + tl.arange(0, NB)
     tl.store(hd_ptr + t * ((N + SCALE_BLOCK - 1) // SCALE_BLOCK) + b, ((e - 14) << 23).to(tl.float32, bitcast=True),
              mask=b * SCALE_BLOCK < N)
+
+
+@triton.jit
+def _to_bf16(v, INTERPRET: tl.constexpr):
+    """fp32 -> nearest bf16 (the interpreter's own cast truncates)."""
+    if INTERPRET:
+        v = _bf16_round(v)
+    return v.to(tl.bfloat16)
+
+
+@triton.jit
+def _normed_row(x, w, eps, N: tl.constexpr, INTERPRET: tl.constexpr):
+    """RMSNorm of one row (bf16 values) as ops.rms_norm rounds it: bf16(w * bf16(x * rsqrt(mean(x²) + eps)))."""
+    s = x.to(tl.float32)
+    inv = tl.rsqrt(tl.sum(s * s, axis=0) / N + eps)
+    return _to_bf16(w.to(tl.float32) * _to_bf16(s * inv, INTERPRET).to(tl.float32), INTERPRET)
 
 
 @triton.jit
